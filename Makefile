@@ -1,0 +1,41 @@
+# Set up and run everything from a fresh clone. The virtualenv lives in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+# This machine has a local CPU wheel of torch 2.13.0; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check tiering tests benchmarks
+	$(VENV)/bin/ruff format --check tiering tests benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+pytest: install
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: install
+	$(VENV)/bin/tiering replay --config examples/tiering.yaml
+
+bench: install
+	$(PY) benchmarks/run_all.py --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

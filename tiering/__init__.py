@@ -1,0 +1,1 @@
+"""tiering: a tiered store for LLM KV-cache blocks."""

@@ -1,0 +1,173 @@
+"""The storage-backend interface that every secondary tier stands on.
+
+A backend stores fixed-size blocks under offload keys (``bytes``). It is async and batch-first:
+every operation takes a list of keys and returns one result per key, in order. It knows nothing
+of eviction: the tier that owns it keeps the index and the policy, and tells it what to delete.
+
+Contract (``tiering.testing.BackendTests`` checks it for every backend, plugins included):
+
+Threads and blocking
+    Coroutines are called from one event loop. A backend never blocks that loop: blocking I/O
+    (``pwritev``, LMDB transactions, fsync) runs on threads the backend owns. Properties are
+    cheap and never do I/O.
+Buffers
+    ``put`` reads from caller-owned buffers and keeps no reference to them once it returns.
+    ``get`` writes into caller-owned writable buffers of exactly ``block_bytes``; the content of a
+    buffer whose result is not ``OK`` is unspecified (the caller must not use it). Buffers are
+    usually rows of the CPU pool, so a backend should move bytes straight between them and its
+    storage, with no extra copy.
+Visibility
+    A key becomes visible to ``get``/``contains`` only once ``put`` has returned ``OK`` for it, and
+    is never visible after a put that did not return ``OK``. A put cancelled while in flight
+    leaves each of its keys either absent or stored intact, never corrupt. Putting a key that is
+    present replaces it.
+Verification
+    ``get`` returns ``OK`` only for a block whose header, key, layout fingerprint and checksum
+    verify. A block that does not verify is reported ``CORRUPT``, counted, and deleted; it is
+    never returned as a hit.
+Errors
+    Per-key failures are results (``FULL``, ``FAILED``, ``CORRUPT``, ``MISSING``), never
+    exceptions. Methods raise only for misuse (``BackendError`` when not open,
+    ``InvalidKeyError`` for bad keys, ``ValueError`` for a buffer of the wrong size), before any
+    I/O and with no state changed.
+Lifecycle
+    ``open`` prepares storage and, for a persistent backend, rebuilds the index from what is
+    stored, keeping only entries that verify; it returns the recovered keys. ``close`` waits for
+    in-flight operations and releases everything; it is idempotent. ``async with`` does both.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import ClassVar, Self
+
+__all__ = ["BackendCapabilities", "BackendStats", "Outcome", "StorageBackend"]
+
+
+class Outcome(enum.Enum):
+    """The result of one key of a batch operation."""
+
+    OK = "ok"
+    MISSING = "missing"  # get: the key is not stored
+    CORRUPT = "corrupt"  # get: stored but did not verify; it has been deleted
+    FULL = "full"  # put: no room; the tier should evict and retry
+    FAILED = "failed"  # an I/O error; the key is not visible
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do; tiers and the config checker read these."""
+
+    persistent: bool  # survives a restart of the process
+    supports_delete: bool
+    max_value_bytes: int  # the largest block (payload) it accepts
+    zero_copy_reads: bool = False  # get() moves bytes into the caller's buffer with no staging copy
+
+
+@dataclass
+class BackendStats:
+    """Counters a backend keeps; tiers aggregate them into metrics."""
+
+    puts: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    read_failures: int = 0
+    deletes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class StorageBackend(ABC):
+    """An async, batch-first store of fixed-size blocks. See the module docstring for the contract.
+
+    Concrete backends take their settings in ``__init__`` (no I/O there) and always receive
+    ``block_bytes`` (the payload size of every block) and ``fingerprint`` (16 bytes naming the
+    layout the blocks belong to; see ``block_format.make_layout_fingerprint``).
+    """
+
+    #: The name the backend is registered under ("file", "lmdb", ...).
+    name: ClassVar[str]
+
+    def __init__(self, *, block_bytes: int, fingerprint: bytes) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
+            raise ValueError(f"fingerprint must be 16 bytes, got {fingerprint!r:.60}")
+        self.block_bytes = block_bytes
+        self.fingerprint = fingerprint
+        self.stats = BackendStats()
+
+    # -- capabilities and accounting (cheap, no I/O) -------------------------------------------
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> BackendCapabilities:
+        """What this backend can do."""
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """The configured capacity, in bytes of storage (headers included)."""
+
+    @property
+    @abstractmethod
+    def capacity_blocks(self) -> int:
+        """How many blocks of ``block_bytes`` fit; the owning tier's policy capacity."""
+
+    @property
+    @abstractmethod
+    def usage_bytes(self) -> int:
+        """Bytes of storage used by stored blocks (headers included)."""
+
+    @property
+    @abstractmethod
+    def is_open(self) -> bool:
+        """Whether ``open`` has completed and ``close`` has not been called."""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def open(self) -> list[bytes]:
+        """Prepare storage; return the keys recovered from a previous run (verified)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Wait for in-flight operations, then release everything. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- batch operations -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
+        """Store ``values[i]`` under ``keys[i]``; ``OK``, ``FULL`` or ``FAILED`` per key."""
+
+    @abstractmethod
+    async def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Outcome]:
+        """Read ``keys[i]`` into ``buffers[i]``; ``OK``, ``MISSING``, ``CORRUPT`` or ``FAILED``."""
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (from the backend's index; verifies nothing)."""
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete each key; True if it was stored."""

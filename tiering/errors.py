@@ -1,0 +1,62 @@
+"""The exception hierarchy of ``tiering``.
+
+Every error the library raises on purpose derives from :class:`TieringError`, so an engine can
+catch one base class at its boundary. Subclasses also derive from the matching builtin
+(``ValueError``, ``TypeError``, ``KeyError``) so that generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "ConfigError",
+    "ConfigurationError",
+    "CorruptBlockError",
+    "InvalidKeyError",
+    "LayoutError",
+    "ProtocolError",
+    "TierFullError",
+    "TieringError",
+]
+
+
+class TieringError(Exception):
+    """Base class of every error raised by ``tiering``."""
+
+
+class ConfigurationError(TieringError, ValueError):
+    """A setting or a combination of settings cannot work (e.g. block sizes that do not align)."""
+
+
+class ConfigError(ConfigurationError):
+    """A configuration file is invalid: names the file, the dotted key path and the bad value."""
+
+
+class LayoutError(TieringError, ValueError):
+    """Registered KV-cache tensors do not match each other or the declared cache config."""
+
+
+class InvalidKeyError(TieringError, TypeError):
+    """A key has the wrong type or shape (offload keys are ``bytes``)."""
+
+
+class ProtocolError(TieringError, KeyError):
+    """A manager call breaks the protocol (loading a missing key, completing an unprepared load).
+
+    The call that raises it changes nothing.
+    """
+
+    def __str__(self) -> str:  # KeyError quotes its argument; a protocol error is a sentence.
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendError(TieringError, OSError):
+    """A storage backend failed an operation (I/O error, closed backend, ...)."""
+
+
+class TierFullError(BackendError):
+    """A backend has no room for a value even after eviction."""
+
+
+class CorruptBlockError(BackendError):
+    """A stored block failed verification (header, key, layout fingerprint or checksum)."""

@@ -1,0 +1,76 @@
+"""Offload keys: one offloaded block of one KV-cache group.
+
+An offload key is the block hash followed by the group index as 4 big-endian bytes. This is
+vLLM's convention (``make_offload_key``), so adapters pass keys through unchanged. Keys are plain
+``bytes`` on purpose: hashable, compact, and cheap for the garbage collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NewType
+
+from tiering.errors import InvalidKeyError
+
+__all__ = [
+    "GROUP_INDEX_BYTES",
+    "OffloadKey",
+    "check_keys",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_offload_key",
+]
+
+OffloadKey = NewType("OffloadKey", bytes)
+
+GROUP_INDEX_BYTES = 4
+_MAX_GROUP_INDEX = 2 ** (8 * GROUP_INDEX_BYTES) - 1
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """Return ``block_hash`` followed by ``group_idx`` as 4 big-endian bytes."""
+    if not isinstance(block_hash, (bytes, bytearray)):
+        raise InvalidKeyError(
+            f"block_hash must be bytes, got {type(block_hash).__name__}: {block_hash!r:.80}"
+        )
+    if not block_hash:
+        raise InvalidKeyError("block_hash must not be empty")
+    if isinstance(group_idx, bool) or not isinstance(group_idx, int):
+        raise InvalidKeyError(f"group_idx must be an int, got {type(group_idx).__name__}")
+    if not 0 <= group_idx <= _MAX_GROUP_INDEX:
+        raise InvalidKeyError(f"group_idx must be in [0, {_MAX_GROUP_INDEX}], got {group_idx}")
+    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(GROUP_INDEX_BYTES, "big"))
+
+
+def get_offload_block_hash(key: bytes) -> bytes:
+    """The block hash inside an offload key."""
+    return key[:-GROUP_INDEX_BYTES]
+
+
+def get_offload_group_idx(key: bytes) -> int:
+    """The KV-cache group index inside an offload key."""
+    return int.from_bytes(key[-GROUP_INDEX_BYTES:], "big")
+
+
+def check_keys(keys: Iterable[object]) -> list[OffloadKey]:
+    """Return ``keys`` as a list, or raise :class:`InvalidKeyError` naming the first bad one.
+
+    A string is rejected as a whole: iterating it would yield characters, never keys.
+    """
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidKeyError(
+            f"expected a collection of offload keys (bytes), got a single {type(keys).__name__}"
+        )
+    out: list[OffloadKey] = []
+    for i, key in enumerate(keys):
+        if type(key) is not bytes:
+            raise InvalidKeyError(
+                f"offload keys must be bytes; key {i} is {type(key).__name__}: {key!r:.80}"
+            )
+        if len(key) <= GROUP_INDEX_BYTES:
+            raise InvalidKeyError(
+                f"offload key {i} is {len(key)} bytes; a key is a block hash plus "
+                f"{GROUP_INDEX_BYTES} bytes of group index (use make_offload_key)"
+            )
+        out.append(OffloadKey(key))
+    return out

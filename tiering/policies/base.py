@@ -1,0 +1,81 @@
+"""The eviction-policy interface.
+
+A policy orders the keys that one tier holds and picks victims. It holds metadata only: no
+buffers, no I/O, nothing that blocks. Like cachetools' caches, it is not thread-safe; the tier that
+owns it serializes calls.
+
+A key is *evictable* unless its tier says otherwise: a block being written (not ready yet) or
+being read (pinned by a load) is not, and the tier flips the flag with :meth:`set_evictable`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
+
+__all__ = ["EvictionPolicy"]
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys of one tier and chooses which to evict.
+
+    Contract shared by every policy (the conformance suite in ``tiering.testing`` checks it):
+
+    - ``capacity`` is the number of blocks the tier can hold; policies that keep history (ARC's
+      ghost lists) bound it by ``capacity``. The policy never evicts on its own: only
+      :meth:`evict` removes keys, so a tier may briefly hold more than ``capacity`` keys if it
+      chooses to.
+    - :meth:`insert` adds a key that is absent; inserting a present key raises ``KeyError``.
+    - :meth:`touch` marks keys as used, the *first* key of the list ending most recent (a
+      prefix's first block is the most valuable). Absent keys are ignored.
+    - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
+      policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
+      in ``protected``. Its cost is O(1) amortized per victim, also when the oldest keys are
+      pinned.
+    - No method blocks or does I/O; none is thread-safe.
+    """
+
+    #: The name the policy is registered under (``"lru"``, ``"arc"``).
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """The number of keys held (ghost entries excluded)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is held (ghost entries excluded)."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[bytes]:
+        """The held keys, from the first to be evicted to the last (pinned ones included)."""
+
+    @abstractmethod
+    def insert(self, key: bytes, evictable: bool = True) -> None:
+        """Add an absent ``key`` as the most recently used. Raises ``KeyError`` if present."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` as used; ``keys[0]`` ends most recent. Absent keys are ignored."""
+
+    @abstractmethod
+    def set_evictable(self, key: bytes, evictable: bool) -> None:
+        """Allow or forbid evicting a held ``key``. Raises ``KeyError`` if absent."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Forget ``key`` without recording history (a failed store). Absent keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
+        """Remove and return ``n`` evictable keys not in ``protected``, or ``None`` (no change)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key and all history (ghosts, adaptive targets)."""
