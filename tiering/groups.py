@@ -162,7 +162,7 @@ class KVCacheSpec:
 
 def _parse_kind(value: object, label: str) -> GroupKind:
     try:
-        return GroupKind(value)
+        return GroupKind(str(value))
     except ValueError:
         valid = ", ".join(k.value for k in GroupKind)
         raise ConfigurationError(
