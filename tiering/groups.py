@@ -45,9 +45,9 @@ class KVCacheGroup:
     layer_names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        label = self.name or self.kind.value
         if not isinstance(self.kind, GroupKind):
-            object.__setattr__(self, "kind", _parse_kind(self.kind, label))
+            object.__setattr__(self, "kind", _parse_kind(self.kind, self.name or str(self.kind)))
+        label = self.label
         _check_positive_int(self.block_size, f"group {label!r}: block_size (tokens)")
         object.__setattr__(self, "page_size_bytes", tuple(self.page_size_bytes))
         object.__setattr__(self, "layer_names", tuple(self.layer_names))

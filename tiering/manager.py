@@ -1,0 +1,255 @@
+"""The CPU primary tier's manager: metadata for the scheduler, in vLLM's protocol.
+
+It runs in an engine's scheduler process and holds metadata only: which key is in which slot of
+the CPU pool, which blocks are being written or read, and the eviction order. The bytes live in a
+:class:`tiering.pool.CPUBlockPool` that workers copy into and out of. No call blocks or does I/O.
+
+Block states (one integer per block, as in vLLM): ``-1`` written but not ready, ``0`` ready,
+``n > 0`` ready and pinned by ``n`` loads. Only ready, unpinned blocks may be evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Final
+
+import numpy as np
+
+from tiering.errors import ProtocolError
+from tiering.keys import OffloadKey, check_keys
+from tiering.policies import EvictionPolicy, make_policy
+from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+
+__all__ = ["CPUOffloadingManager"]
+
+_NOT_READY: Final = -1
+
+
+class _Block:
+    __slots__ = ("ref_cnt", "slot")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.ref_cnt = _NOT_READY
+
+
+class CPUOffloadingManager:
+    """Scheduler-side manager of the CPU primary tier.
+
+    ``policy`` is a registered policy name (``"lru"``, ``"arc"``) or an :class:`EvictionPolicy`
+    instance with ``capacity == num_blocks``. With ``enable_events`` the manager records stored
+    and removed keys for :meth:`take_events`.
+
+    Slots are handed out fresh in increasing order first, then reused, most recently freed first
+    (recently freed slots are the likeliest to be warm in the CPU caches and TLB).
+    """
+
+    medium: Final = "CPU"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str | EvictionPolicy = "lru",
+        enable_events: bool = False,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if isinstance(policy, EvictionPolicy):
+            if policy.capacity != num_blocks:
+                raise ValueError(
+                    f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
+                )
+            self._policy = policy
+        else:
+            self._policy = make_policy(policy, num_blocks)
+        self.num_blocks = num_blocks
+        self.enable_events = enable_events
+        self._blocks: dict[OffloadKey, _Block] = {}
+        self._next_fresh_slot = 0
+        self._freed_slots: list[int] = []  # a stack: most recently freed on top
+        self._events: list[OffloadingEvent] = []
+        self._closed = False
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self._next_fresh_slot + len(self._freed_slots)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        block = self._blocks.get(key)
+        return None if block is None else block.slot
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey) -> bool | None:
+        """True if stored and ready, False if absent, None while being written (retry later)."""
+        block = self._blocks.get(key)
+        if block is None:
+            if type(key) is not bytes:
+                check_keys([key])
+            return False
+        return None if block.ref_cnt == _NOT_READY else True
+
+    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int | None:
+        """The number of leading keys stored and ready; None if the first non-hit is in flight."""
+        count = 0
+        for key in check_keys(keys):
+            block = self._blocks.get(key)
+            if block is None:
+                return count
+            if block.ref_cnt == _NOT_READY:
+                return None
+            count += 1
+        return count
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
+        """Pin ready ``keys`` until :meth:`complete_load`; ``block_ids[i]`` is ``keys[i]``'s slot.
+
+        Raises ProtocolError, changing nothing, if a key is absent or not ready.
+        """
+        key_list = check_keys(keys)
+        blocks = []
+        for key in key_list:
+            block = self._blocks.get(key)
+            if block is None:
+                raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
+            if block.ref_cnt == _NOT_READY:
+                raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
+            blocks.append(block)
+        for key, block in zip(key_list, blocks, strict=True):
+            self._pin(key, block)
+        return LoadStoreSpec(self.medium, np.fromiter((b.slot for b in blocks), np.int64))
+
+    def complete_load(self, keys: Collection[OffloadKey]) -> None:
+        """Unpin keys pinned by :meth:`prepare_load`. Raises ProtocolError, changing nothing, if a
+        key was not prepared (as many times as it is listed)."""
+        key_list = check_keys(keys)
+        wanted: dict[OffloadKey, int] = {}
+        for key in key_list:
+            wanted[key] = wanted.get(key, 0) + 1
+        for key, times in wanted.items():
+            block = self._blocks.get(key)
+            if block is None or block.ref_cnt < times:
+                pinned = 0 if block is None else max(block.ref_cnt, 0)
+                raise ProtocolError(
+                    f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
+                    "were prepared"
+                )
+        for key in key_list:
+            self._unpin(key, self._blocks[key])
+
+    def _pin(self, key: OffloadKey, block: _Block) -> None:
+        if block.ref_cnt == 0:
+            self._policy.set_evictable(key, False)
+        block.ref_cnt += 1
+
+    def _unpin(self, key: OffloadKey, block: _Block) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self._policy.set_evictable(key, True)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        """Mark keys as most recently used; the first key ends most recent. Absent keys are
+        ignored."""
+        self._policy.touch(check_keys(keys))
+
+    # -- stores -------------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
+        """Reserve slots for the absent ``keys``, evicting as needed.
+
+        Returns the keys to write (absent ones, in order, once each), their slots and the evicted
+        keys; or None, with nothing changed, if not enough blocks can be evicted. Every key of the
+        request is protected from eviction, including those already stored.
+        """
+        key_list = check_keys(keys)
+        to_store = [k for k in dict.fromkeys(key_list) if k not in self._blocks]
+        if not to_store:
+            return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
+        if len(to_store) > self.num_blocks:
+            return None
+        evicted: list[OffloadKey] = []
+        shortfall = len(to_store) - self.num_free_blocks
+        if shortfall > 0:
+            victims = self._policy.evict(shortfall, protected=set(key_list))
+            if victims is None:
+                return None
+            for victim in victims:
+                victim_key = OffloadKey(victim)
+                self._free_slot(self._blocks.pop(victim_key).slot)
+                evicted.append(victim_key)
+            self._emit(evicted, removed=True)
+        slots = np.empty(len(to_store), np.int64)
+        for i, key in enumerate(to_store):
+            slot = self._allocate_slot()
+            self._blocks[key] = _Block(slot)
+            self._policy.insert(key, evictable=False)
+            slots[i] = slot
+        return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, slots), evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
+        """Finish a store: make the written keys ready, or on failure drop those still not
+        ready and free their slots. Keys unknown or already ready are left alone."""
+        done: list[OffloadKey] = []
+        for key in check_keys(keys):
+            block = self._blocks.get(key)
+            if block is None or block.ref_cnt != _NOT_READY:
+                continue
+            if success:
+                block.ref_cnt = 0
+                self._policy.set_evictable(key, True)
+            else:
+                del self._blocks[key]
+                self._policy.remove(key)
+                self._free_slot(block.slot)
+            done.append(key)
+        if success:
+            self._emit(done, removed=False)
+
+    def _allocate_slot(self) -> int:
+        if self._next_fresh_slot < self.num_blocks:
+            self._next_fresh_slot += 1
+            return self._next_fresh_slot - 1
+        return self._freed_slots.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        self._freed_slots.append(slot)
+
+    # -- events and lifecycle -----------------------------------------------------------------
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        if self.enable_events and keys:
+            self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The stored and removed events since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every block, pinned or in flight included, and all policy history."""
+        self._emit(list(self._blocks), removed=True)
+        self._blocks.clear()
+        self._policy.clear()
+        self._next_fresh_slot = 0
+        self._freed_slots.clear()
+
+    def shutdown(self) -> None:
+        """Release everything. The manager holds no resources but memory; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._blocks.clear()
+            self._policy.clear()
