@@ -10,7 +10,7 @@ Block states (one integer per block, as in vLLM): ``-1`` written but not ready, 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Final
 
 import numpy as np
@@ -69,6 +69,7 @@ class CPUOffloadingManager:
         self._freed_slots: list[int] = []  # a stack: most recently freed on top
         self._events: list[OffloadingEvent] = []
         self._closed = False
+        self._eviction_hook: Callable[[list[tuple[OffloadKey, int]]], set[int]] | None = None
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -187,11 +188,19 @@ class CPUOffloadingManager:
             victims = self._policy.evict(shortfall, protected=set(key_list))
             if victims is None:
                 return None
+            freed: list[tuple[OffloadKey, int]] = []
             for victim in victims:
                 victim_key = OffloadKey(victim)
-                self._free_slot(self._blocks.pop(victim_key).slot)
+                freed.append((victim_key, self._blocks.pop(victim_key).slot))
                 evicted.append(victim_key)
+            retained = self._eviction_hook(freed) if self._eviction_hook else set()
+            for _, slot in freed:
+                if slot not in retained:
+                    self._free_slot(slot)
             self._emit(evicted, removed=True)
+            if self.num_free_blocks < len(to_store):
+                # Write-back: some victims keep their slots until a lower tier has them.
+                return None
         slots = np.empty(len(to_store), np.int64)
         for i, key in enumerate(to_store):
             slot = self._allocate_slot()
@@ -227,6 +236,21 @@ class CPUOffloadingManager:
 
     def _free_slot(self, slot: int) -> None:
         self._freed_slots.append(slot)
+
+    # -- hooks for a tiering manager -----------------------------------------------------------
+
+    def set_eviction_hook(
+        self, hook: Callable[[list[tuple[OffloadKey, int]]], set[int]] | None
+    ) -> None:
+        """Call ``hook(victims)`` with ``(key, slot)`` pairs on eviction; the slots it returns
+        stay allocated until :meth:`release_slots` (a write-back tier is still copying them).
+        With a hook, a ``prepare_store`` that evicted but got no free slots returns None."""
+        self._eviction_hook = hook
+
+    def release_slots(self, slots: Iterable[int]) -> None:
+        """Free slots that an eviction hook retained."""
+        for slot in slots:
+            self._free_slot(slot)
 
     # -- events and lifecycle -----------------------------------------------------------------
 
