@@ -53,7 +53,7 @@ class _HasRows(Protocol):
     def rows_view(self) -> torch.Tensor: ...
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs live in a set
 class Job:
     """One batch of I/O between the primary pool and a tier. Await it with ``await job``."""
 
@@ -161,7 +161,7 @@ class TieringOffloadingManager:
             try:
                 on_done, job = self._finished.get_nowait()
             except queue.Empty:
-                return
+                break
             self._jobs.discard(job)
             if job.kind in ("promote", "store", "write_back"):
                 self.tiers[job.tier_index].inflight_jobs -= 1
@@ -336,6 +336,12 @@ class TieringOffloadingManager:
         out = self.primary.prepare_store([OffloadKey(k) for k in keys])
         self._pull_primary_events()
         if out is None:
+            if self._draining:
+                # Write-backs are freeing slots: try again when one finishes.
+                for key in keys:
+                    self._promoting[key] = index
+                self._waiting_promotions.setdefault(index, []).extend(keys)
+                return
             # No room in the primary now: the lookup answers a miss, not a retry loop.
             self.promotions_without_space += len(keys)
             return

@@ -1,0 +1,307 @@
+"""The tiering manager: promotions, write policies, back-pressure, failures, async driving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from tiering.backends.base import Outcome
+from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.backends.memory import MemoryBackend
+from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.keys import make_offload_key
+from tiering.manager import CPUOffloadingManager
+from tiering.specs import OffloadingEvent
+from tiering.tier import SecondaryTier
+from tiering.tiering_manager import TieringOffloadingManager
+
+ROW_BYTES = 256
+FINGERPRINT = make_layout_fingerprint({"test": ROW_BYTES})
+
+
+def k(i: int, group: int = 0) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), group)
+
+
+def memory_tier(blocks: int, **kwargs: object) -> SecondaryTier:
+    backend = MemoryBackend(
+        capacity_bytes=blocks * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    return SecondaryTier(backend, **kwargs)  # type: ignore[arg-type]
+
+
+class Harness:
+    """A manager plus the engine's side of a store: writing known bytes into the slots."""
+
+    def __init__(self, primary_blocks: int, tiers: Sequence[SecondaryTier]) -> None:
+        self.pool = torch.zeros(primary_blocks, ROW_BYTES, dtype=torch.uint8)
+        self.manager = TieringOffloadingManager(
+            CPUOffloadingManager(primary_blocks, "lru", enable_events=True),
+            tiers,
+            pool=self.pool,
+        )
+        self.manager.wait_ready()
+
+    @staticmethod
+    def payload(key: bytes) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "big") * 31 + key[-1])
+        return torch.randint(0, 256, (ROW_BYTES,), dtype=torch.uint8, generator=gen)
+
+    def store(self, *keys: bytes) -> list[bytes]:
+        out = self.manager.prepare_store(list(keys))
+        assert out is not None
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
+            self.pool[slot] = self.payload(key)
+        self.manager.complete_store(list(keys))
+        return list(out.evicted_keys)
+
+    def assert_loaded_exact(self, *keys: bytes) -> None:
+        spec = self.manager.prepare_load(list(keys))
+        for key, slot in zip(keys, spec.block_ids.tolist(), strict=True):
+            assert torch.equal(self.pool[slot], self.payload(key)), key
+        self.manager.complete_load(list(keys))
+
+    def settle(self) -> None:
+        self.manager.wait_idle()
+
+
+@pytest.fixture
+def harness_factory() -> Iterator[type[Harness]]:
+    made: list[Harness] = []
+
+    class Tracked(Harness):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    yield Tracked
+    for h in made:
+        h.manager.shutdown()
+
+
+def test_write_through_then_promotion_is_bit_exact(harness_factory: type[Harness]) -> None:
+    h = harness_factory(2, [memory_tier(8)])
+    h.store(k(1), k(2))
+    h.settle()
+    assert h.manager.tiers[0].state(k(1)).name == "READY"
+    assert h.store(k(3), k(4)) == [k(1), k(2)]  # the primary evicts; the tier keeps them
+    h.settle()
+    assert h.manager.lookup(k(1)) is None  # found below: a promotion starts
+    h.settle()
+    assert h.manager.lookup(k(1)) is True
+    h.assert_loaded_exact(k(1))
+    events = h.manager.take_events()
+    assert OffloadingEvent((k(1), k(2)), "MEMORY", False) in events
+    assert OffloadingEvent((k(1),), "CPU", False) in events[-2:]
+
+
+def test_a_key_is_never_promoted_twice_at_once(harness_factory: type[Harness]) -> None:
+    h = harness_factory(2, [memory_tier(8)])
+    h.store(k(1))
+    h.settle()
+    h.store(k(2), k(3))
+    h.settle()
+    assert h.manager.lookup(k(1), "req") is None
+    assert h.manager.lookup(k(1), "req") is None  # asked again: starts the batch once
+    assert h.manager.lookup(k(1), "other") in (None, True)  # in flight or already done
+    h.settle()
+    assert h.manager.tiers[0].metrics.promotions == 1
+    assert h.manager.tiers[0].metrics.promoted_blocks == 1
+
+
+def test_promotions_are_batched_per_request(harness_factory: type[Harness]) -> None:
+    h = harness_factory(4, [memory_tier(16)])
+    h.store(k(1), k(2), k(3))
+    h.settle()
+    h.store(k(4), k(5), k(6), k(7))  # evicts 1-3 from the primary
+    h.settle()
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") is None
+    h.settle()
+    assert h.manager.tiers[0].metrics.promotions == 1
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") == 3
+    h.assert_loaded_exact(k(1), k(2), k(3))
+
+
+def test_corrupt_promotion_is_a_counted_miss_and_not_retried(
+    harness_factory: type[Harness],
+) -> None:
+    tier = memory_tier(8)
+    h = harness_factory(1, [tier])
+    h.store(k(1))
+    h.settle()
+    h.store(k(2))
+    h.settle()
+    backend = tier.backend
+    assert isinstance(backend, MemoryBackend)
+    backend.corrupt(k(1), HEADER_BYTES + 7)  # one bit of the payload
+    assert h.manager.lookup(k(1)) is None
+    h.settle()
+    assert h.manager.lookup(k(1)) is False  # a miss, never garbage
+    assert tier.metrics.corrupt_blocks == 1 and tier.metrics.promotion_failures == 1
+    assert h.manager.lookup(k(1)) is False
+    h.settle()
+    assert tier.metrics.promotions == 1  # no retry loop
+    assert OffloadingEvent((k(1),), "MEMORY", True) in h.manager.take_events()
+
+
+class FailingBackend(MemoryBackend):
+    """Writes fail with an I/O error, as on a full or broken disk."""
+
+    failing = True
+
+    async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
+        if self.failing:
+            raise OSError(28, "No space left on device")
+        return await super().put(keys, values)
+
+
+def test_failed_tier_store_never_becomes_visible_and_manager_keeps_serving(
+    harness_factory: type[Harness],
+) -> None:
+    backend = FailingBackend(
+        capacity_bytes=8 * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    tier = SecondaryTier(backend)
+    h = harness_factory(2, [tier])
+    h.store(k(1))
+    h.settle()
+    assert tier.state(k(1)).name == "ABSENT" and tier.metrics.store_failures == 1
+    h.assert_loaded_exact(k(1))  # the primary copy is fine
+    backend.failing = False
+    h.store(k(2))
+    h.settle()
+    assert tier.state(k(2)).name == "READY"
+
+
+def test_write_back_writes_on_eviction_and_frees_the_slot_after(
+    harness_factory: type[Harness],
+) -> None:
+    tier = memory_tier(8, write_policy="write_back")
+    h = harness_factory(2, [tier])
+    h.store(k(1), k(2))
+    h.settle()
+    assert len(tier) == 0  # nothing written yet
+    out = h.manager.prepare_store([k(3)])
+    # k(1) was evicted and is being written back; its slot is not free until that is done.
+    assert out is None or out.evicted_keys == [k(1)]
+    h.settle()
+    assert tier.state(k(1)).name == "READY"
+    h.store(k(3))
+    h.settle()
+    assert h.manager.lookup(k(1)) is None
+    h.settle()
+    assert h.manager.lookup(k(1)) is True
+    h.assert_loaded_exact(k(1))
+
+
+def test_selective_write_through_needs_enough_lookups(harness_factory: type[Harness]) -> None:
+    tier = memory_tier(8, write_policy="write_through_selective", selective_min_lookups=2)
+    h = harness_factory(4, [tier])
+    for _ in range(2):
+        assert h.manager.lookup(k(1)) is False
+    assert h.manager.lookup(k(2)) is False
+    h.store(k(1), k(2))
+    h.settle()
+    assert tier.state(k(1)).name == "READY"
+    assert tier.state(k(2)).name == "ABSENT"
+
+
+class GatedBackend(MemoryBackend):
+    """Writes wait until the test opens the gate, so jobs pile up as on a slow disk."""
+
+    gate = threading.Event()
+
+    async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.001)
+        return await super().put(keys, values)
+
+
+def test_stores_are_shed_over_the_inflight_bound_and_loads_wait(
+    harness_factory: type[Harness],
+) -> None:
+    backend = GatedBackend(
+        capacity_bytes=64 * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    backend.gate = threading.Event()
+    tier = SecondaryTier(backend, max_inflight_jobs=2)
+    h = harness_factory(32, [tier])
+    for i in range(6):
+        h.store(k(i))
+    assert tier.inflight_jobs == 2
+    assert tier.metrics.stores_shed == 4  # over the bound: shed, not queued
+    backend.gate.set()
+    h.settle()
+    assert tier.metrics.stored_blocks == 2 and len(tier) == 2
+    assert [tier.state(k(i)).name for i in range(3)] == ["READY", "READY", "ABSENT"]
+
+
+def test_hybrid_lookup_with_groups_split_across_tiers(harness_factory: type[Harness]) -> None:
+    spec = KVCacheSpec(
+        (
+            KVCacheGroup(GroupKind.FULL_ATTENTION, 16, (128,)),
+            KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, (128,), sliding_window=16),
+        ),
+        hash_block_size=16,
+    )
+    h = harness_factory(4, [memory_tier(16)])
+    keys = spec.offload_keys([i.to_bytes(8, "big") for i in range(3)])
+    h.store(*keys[1])  # the window group's blocks, then pushed down to the tier
+    h.settle()
+    h.store(*keys[0])  # full attention fills the primary and evicts group 1's oldest
+    h.settle()
+    in_primary = [h.manager.primary.lookup(key) for key in keys[1]]
+    assert in_primary.count(False) >= 1
+    answer = h.manager.lookup_request(spec, keys, num_prompt_tokens=49)
+    assert answer is None or answer == 48
+    h.settle()
+    assert h.manager.lookup_request(spec, keys, num_prompt_tokens=49) == 48
+    # Only the window block at the hit end was needed from group 1.
+    h.assert_loaded_exact(*keys[0], keys[1][2])
+
+
+def test_reset_cache_drops_every_tier(harness_factory: type[Harness]) -> None:
+    tier = memory_tier(8)
+    h = harness_factory(2, [tier])
+    h.store(k(1))
+    h.settle()
+    h.manager.take_events()
+    h.manager.reset_cache()
+    assert h.manager.lookup(k(1)) is False and len(tier) == 0
+    events = h.manager.take_events()
+    assert OffloadingEvent((k(1),), "CPU", True) in events
+    assert OffloadingEvent((k(1),), "MEMORY", True) in events
+
+
+@pytest.mark.asyncio
+async def test_async_lifecycle_and_lookup() -> None:
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    tier = memory_tier(8)
+    async with TieringOffloadingManager(CPUOffloadingManager(2), [tier], pool=pool) as manager:
+        for batch in ([k(1)], [k(2), k(3)]):
+            out = manager.prepare_store(batch)
+            assert out is not None
+            for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
+                pool[slot] = Harness.payload(key)
+            manager.complete_store(batch)
+            await manager.drain()
+        assert manager.primary.lookup(k(1)) is False
+        assert await manager.lookup_async(k(1)) is True
+        slot = int(manager.prepare_load([k(1)]).block_ids[0])
+        assert torch.equal(pool[slot], Harness.payload(k(1)))
+        manager.complete_load([k(1)])
+        assert await manager.lookup_async(k(99)) is False
+        jobs = manager.inflight_jobs()
+        for job in jobs:
+            await job
+    assert tier.backend.is_open is False
