@@ -1,0 +1,21 @@
+"""Eviction policies for the primary tier: the interface, LRU, ARC and lookup by name."""
+
+from tiering.policies.arc import ARCPolicy
+from tiering.policies.base import EvictionPolicy
+from tiering.policies.lru import LRUPolicy
+from tiering.policies.registry import (
+    available_policies,
+    get_policy_class,
+    make_policy,
+    register_policy,
+)
+
+__all__ = [
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "available_policies",
+    "get_policy_class",
+    "make_policy",
+    "register_policy",
+]
