@@ -293,6 +293,16 @@ class TieringOffloadingManager:
             promotable[key] = index
         return KeyState.PENDING
 
+    def locate(self, key: OffloadKey) -> str | None:
+        """Where ``key`` is stored and ready, without side effects: "CPU", a tier's medium, or
+        None. For reports and tools; the protocol uses :meth:`lookup`."""
+        if self.primary.lookup(key) is True:
+            return self.primary.medium
+        for tier in self.tiers:
+            if tier.state(key) is TierKeyState.READY:
+                return tier.medium
+        return None
+
     def _tier_state(self, key: bytes) -> tuple[TierKeyState, int]:
         for index, tier in enumerate(self.tiers):
             state = tier.state(key)

@@ -1,0 +1,137 @@
+"""KV-cache shapes of real models, for the replay tool and the benchmarks.
+
+A shape names the model's KV-cache groups and builds KV tensors laid out as an engine would
+allocate them: one ``(num_blocks, 2, block_size, num_kv_heads, head_dim)`` tensor per layer
+position; in a hybrid model, the layers at one position of each group share that tensor (vLLM's
+hybrid allocator gives every group the same page size, so one block id names the same bytes in
+each group's tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiering.errors import ConfigurationError
+from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.layout import CanonicalKVCaches, register_kv_caches
+
+__all__ = ["MODEL_SHAPES", "GroupShape", "ModelShape", "get_model_shape"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    kind: GroupKind
+    num_layers: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Attention geometry of a model; every group shares ``num_kv_heads`` and ``head_dim``."""
+
+    name: str
+    groups: tuple[GroupShape, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    block_size: int = 16
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def layers_per_position(self) -> int:
+        """Layer positions: a hybrid model's groups have the same number of layers each."""
+        return max(g.num_layers for g in self.groups)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one layer spends on one block (K and V)."""
+        element_bytes = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * element_bytes
+
+    def kv_cache_spec(self, hash_block_size: int, block_size_factor: int = 1) -> KVCacheSpec:
+        groups = tuple(
+            KVCacheGroup(
+                g.kind,
+                self.block_size,
+                (self.page_bytes,) * g.num_layers,
+                sliding_window=g.sliding_window,
+                name=f"{g.kind.value}",
+                layer_names=tuple(f"{g.kind.value}.{i}" for i in range(g.num_layers)),
+            )
+            for g in self.groups
+        )
+        return KVCacheSpec(groups, hash_block_size, block_size_factor)
+
+    def allocate(
+        self, num_blocks: int, spec: KVCacheSpec
+    ) -> tuple[dict[str, torch.Tensor], CanonicalKVCaches]:
+        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks and register them."""
+        positions = self.layers_per_position
+        tensors = [
+            torch.zeros(
+                (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
+                dtype=self.torch_dtype,
+            )
+            for _ in range(positions)
+        ]
+        kv_caches: dict[str, torch.Tensor] = {}
+        shared: list[list[str]] = [[] for _ in range(positions)]
+        for g in self.groups:
+            for i in range(g.num_layers):
+                name = f"{g.kind.value}.{i}"
+                kv_caches[name] = tensors[i]
+                shared[i].append(name)
+        caches = register_kv_caches(
+            kv_caches,
+            spec,
+            num_blocks,
+            shared_by=[names for names in shared if len(names) > 1],
+            kv_layout="blocks_first",
+        )
+        return kv_caches, caches
+
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16: 64 KiB per layer and 16-token block.
+        ModelShape("llama-3-8b", (GroupShape(GroupKind.FULL_ATTENTION, 32),), 8, 128),
+        # A hybrid of full attention and a 1024-token sliding window (gpt-oss style), 12 + 12.
+        ModelShape(
+            "hybrid-swa",
+            (
+                GroupShape(GroupKind.FULL_ATTENTION, 12),
+                GroupShape(GroupKind.SLIDING_WINDOW, 12, sliding_window=1024),
+            ),
+            8,
+            64,
+        ),
+        # Small shapes for tests and quick runs.
+        ModelShape("tiny", (GroupShape(GroupKind.FULL_ATTENTION, 2),), 2, 16),
+        ModelShape(
+            "tiny-hybrid",
+            (
+                GroupShape(GroupKind.FULL_ATTENTION, 2),
+                GroupShape(GroupKind.SLIDING_WINDOW, 2, sliding_window=64),
+            ),
+            2,
+            16,
+        ),
+    )
+}
+
+
+def get_model_shape(name: str) -> ModelShape:
+    try:
+        return MODEL_SHAPES[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"unknown model shape {name!r}; known shapes: {', '.join(sorted(MODEL_SHAPES))}"
+        ) from None
