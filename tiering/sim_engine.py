@@ -39,6 +39,7 @@ class RequestResult:
     hit_tokens: int
     blocks_looked_up: int
     blocks_found: dict[str, int]  # medium -> blocks of the request found there before lookup
+    blocks_loaded_from: dict[str, int]  # medium -> loaded blocks that were there before lookup
     blocks_loaded: int
     bytes_loaded: int
     blocks_stored: int
@@ -152,12 +153,15 @@ class SimulatedEngine:
         extra = ExtraKeys(lora_name=request.lora_name, cache_salt=request.cache_salt)
         hashes = self.hasher.hash_blocks(tokens, extra)
         keys = self.spec.offload_keys(hashes)
+        located: dict[bytes, str] = {}
         found: dict[str, int] = {}
         for group_keys in keys:
             for key in group_keys:
                 medium = self.manager.locate(key)
                 if medium is not None:
+                    located[key] = medium
                     found[medium] = found.get(medium, 0) + 1
+        loaded_from: dict[str, int] = {}
 
         start = time.perf_counter()
         retries = 0
@@ -187,6 +191,9 @@ class SimulatedEngine:
             load_keys = [
                 k for g in range(len(keys)) for k in keys[g][load_first[g] : hit_blocks[g]]
             ]
+            for key in load_keys:
+                medium = located.get(key, "NEW")  # "NEW": stored while this request waited
+                loaded_from[medium] = loaded_from.get(medium, 0) + 1
             self.manager.touch(load_keys, request.request_id)
             slots = self.manager.prepare_load(load_keys, request.request_id).block_ids
             engine_ids: list[int] = []
@@ -237,6 +244,7 @@ class SimulatedEngine:
             hit_tokens=hit_tokens,
             blocks_looked_up=sum(len(k) for k in keys),
             blocks_found=found,
+            blocks_loaded_from=loaded_from,
             blocks_loaded=blocks_loaded,
             bytes_loaded=bytes_loaded,
             blocks_stored=blocks_stored,

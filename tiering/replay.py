@@ -1,0 +1,449 @@
+"""``tiering replay``: what tiering buys on a workload, and what it costs.
+
+It replays a trace of requests through a full :class:`TieringOffloadingManager` built from a YAML
+config, with the real data path (KV tensors shaped like the configured model, block bytes from
+that shape, copies through the CPU pool, tier I/O on real files and LMDB), and reports per tier:
+block hit ratio, usable prefix tokens, bytes moved and GB/s, load and store latency percentiles,
+evictions, failures, and the prefill tokens saved against no offloading.
+
+Results are reproducible for a seed: by default the replay lets the tiers finish their I/O
+after each request (``--overlap`` lets I/O run behind the next requests instead, as in an engine,
+at the cost of timing-dependent numbers). ``--policy-study`` compares eviction policies and the
+Belady bound on the same trace with a metadata-only simulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiering.belady import simulate
+from tiering.config import TieringConfig, build_manager, load_config
+from tiering.errors import ConfigError, TieringError
+from tiering.hashing import PrefixHasher
+from tiering.identity import layout_fingerprint
+from tiering.model_shapes import get_model_shape
+from tiering.policies import get_policy_class
+from tiering.pool import CPUBlockPool, KVBlockCopier
+from tiering.progress import ProgressBar
+from tiering.sim_engine import RequestResult, SimulatedEngine
+from tiering.traces import Request, builtin_trace, read_jsonl
+
+__all__ = ["ReplayOptions", "configure_parser", "load_trace", "policy_study", "run_replay"]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    trace: str = "mixed"
+    scale: str = "demo"
+    seed: int = 0
+    engine_blocks: int = 1024
+    max_requests: int | None = None
+    verify: bool = True
+    overlap: bool = False
+    progress: bool = True
+
+
+def load_trace(trace: str, scale: str, seed: int, base_dir: Path | None = None) -> list[Request]:
+    """A built-in trace by name, or a JSONL file (relative paths from ``base_dir``)."""
+    if trace.endswith(".jsonl") or "/" in trace:
+        path = Path(trace)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        return list(read_jsonl(path))
+    return builtin_trace(trace, scale=scale, seed=seed)
+
+
+def _percentiles_ms(samples: Sequence[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    values = np.asarray(samples) * 1e3
+    return {f"p{q}": round(float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
+
+
+def _gbps(num_bytes: int, seconds: float) -> float:
+    return round(num_bytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
+    """Replay the trace through a manager built from ``config``; return the report."""
+    torch.set_num_threads(1)
+    if config.model is None:
+        raise ConfigError(f"{config.source}: model: a replay needs a model shape (model.shape)")
+    shape = get_model_shape(config.model.shape)
+    spec = shape.kv_cache_spec(config.hashing.hash_block_size, config.block_size_factor)
+    base_dir = Path(config.source).parent if config.source else None
+    requests = load_trace(options.trace, options.scale, options.seed, base_dir)
+    if options.max_requests is not None:
+        requests = requests[: options.max_requests]
+
+    kv_tensors, caches = shape.allocate(options.engine_blocks, spec)
+    block_bytes = caches.offloaded_block_bytes_per_rank()
+    fingerprint = layout_fingerprint(
+        spec,
+        block_bytes=block_bytes,
+        dtype=shape.dtype,
+        hash_algorithm=config.hashing.algorithm,
+        model=shape.name,
+    )
+    cpu_blocks = config.primary.capacity_bytes // block_bytes
+    if cpu_blocks < 1:
+        raise ConfigError(
+            f"{config.source}: primary.capacity: {config.primary.capacity_bytes} bytes hold no "
+            f"block of {block_bytes} bytes ({shape.name}); give at least {block_bytes} bytes"
+        )
+    pool = CPUBlockPool(cpu_blocks, block_bytes)
+    manager = build_manager(config, block_bytes=block_bytes, fingerprint=fingerprint, pool=pool)
+    results: list[RequestResult] = []
+    started = time.perf_counter()
+    try:
+        manager.wait_ready()
+        engine = SimulatedEngine(
+            manager,
+            spec,
+            caches,
+            KVBlockCopier(caches, pool),
+            PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm),
+            verify=options.verify,
+        )
+        with ProgressBar(len(requests), "replay", enabled=options.progress) as bar:
+            for request in requests:
+                results.append(engine.run(request))
+                if not options.overlap:
+                    manager.wait_idle()
+                bar.update()
+        manager.wait_idle()
+        wall_s = time.perf_counter() - started
+        report = _report(config, options, shape.name, block_bytes, cpu_blocks, manager, results)
+        report["wall_s"] = round(wall_s, 3)
+        report["verify_failures"] = engine.verify_failures
+        return report
+    finally:
+        manager.shutdown()
+        pool.close()
+        del kv_tensors
+
+
+def _report(
+    config: TieringConfig,
+    options: ReplayOptions,
+    model: str,
+    block_bytes: int,
+    cpu_blocks: int,
+    manager: Any,
+    results: list[RequestResult],
+) -> dict[str, Any]:
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    hit_tokens = sum(r.hit_tokens for r in results)
+    looked_up = sum(r.blocks_looked_up for r in results)
+    loaded = sum(r.blocks_loaded for r in results)
+    metrics = manager.metrics()
+    media = ["CPU", *[t.medium for t in manager.tiers]]
+    tiers: dict[str, Any] = {}
+    for medium in media:
+        found = sum(r.blocks_found.get(medium, 0) for r in results)
+        served = sum(r.blocks_loaded_from.get(medium, 0) for r in results)
+        tiers[medium] = {
+            "blocks_found": found,
+            "block_hit_ratio": round(found / looked_up, 4) if looked_up else 0.0,
+            "blocks_served": served,
+            "usable_prefix_tokens": round(hit_tokens * served / loaded) if loaded else 0,
+        }
+    tiers["CPU"].update(
+        {
+            "capacity_blocks": cpu_blocks,
+            "bytes_loaded": sum(r.bytes_loaded for r in results),
+            "bytes_stored": sum(r.bytes_stored for r in results),
+            "load_ms": _percentiles_ms([r.load_s for r in results if r.blocks_loaded]),
+            "store_ms": _percentiles_ms([r.store_s for r in results if r.blocks_stored]),
+            "stores_refused": sum(r.store_refused for r in results),
+        }
+    )
+    for tier in manager.tiers:
+        m = tier.metrics
+        tiers[tier.medium].update(
+            {
+                "capacity_blocks": tier.capacity_blocks,
+                "blocks_held": len(tier),
+                "bytes_written": m.bytes_written,
+                "bytes_read": m.bytes_read,
+                "write_gbps": _gbps(m.bytes_written, sum(m.store_latency_s)),
+                "read_gbps": _gbps(m.bytes_read, sum(m.load_latency_s)),
+                "store_job_ms": _percentiles_ms(m.store_latency_s),
+                "load_job_ms": _percentiles_ms(m.load_latency_s),
+                "evictions": m.evictions,
+                "promoted_blocks": m.promoted_blocks,
+                "store_failures": m.store_failures,
+                "promotion_failures": m.promotion_failures,
+                "corrupt_blocks": m.corrupt_blocks,
+                "stores_shed": m.stores_shed,
+            }
+        )
+    return {
+        "config": config.source,
+        "model": model,
+        "block_bytes": block_bytes,
+        "trace": options.trace,
+        "scale": options.scale,
+        "seed": options.seed,
+        "requests": len(results),
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_saved": hit_tokens,
+        "prefill_saved_ratio": round(hit_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "blocks_looked_up": looked_up,
+        "block_hit_ratio": round(sum(t["blocks_found"] for t in tiers.values()) / looked_up, 4)
+        if looked_up
+        else 0.0,
+        "lookup_retries": sum(r.lookup_retries for r in results),
+        "promotions_without_space": metrics["primary"]["promotions_without_space"],
+        "tiers": tiers,
+    }
+
+
+# -- policy study ------------------------------------------------------------------------------
+
+
+def policy_study(
+    key_lists: Sequence[Sequence[bytes]],
+    capacities: Sequence[int],
+    policies: Sequence[str],
+) -> list[dict[str, Any]]:
+    """Block and usable-prefix hit ratios of each policy and of Belady's bound, per capacity.
+
+    A metadata-only simulation on the requests' hash-block keys (one group, one tier): each
+    request reads its blocks in prefix order, and every miss is inserted.
+    """
+    rows = []
+    for capacity in capacities:
+        for name in [*policies, "belady"]:
+            policy: Any = name if name == "belady" else get_policy_class(name)
+            stats = simulate(policy, key_lists, capacity)
+            rows.append(
+                {
+                    "policy": name,
+                    "capacity_blocks": capacity,
+                    "block_hit_ratio": round(stats.block_hit_ratio, 4),
+                    "prefix_hit_ratio": round(stats.prefix_hit_ratio, 4),
+                }
+            )
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TieringError(
+            "--plot needs matplotlib: pip install 'tiering[plot]' (or matplotlib)"
+        ) from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        points = [
+            (r["capacity_blocks"], r["prefix_hit_ratio"]) for r in rows if r["policy"] == policy
+        ]
+        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU tier size (blocks)")
+    ax.set_ylabel("usable prefix hit ratio")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"tiering replay: {report['requests']} requests of trace {report['trace']!r} "
+        f"({report['scale']}, seed {report['seed']}), model {report['model']}, "
+        f"blocks of {_human_bytes(report['block_bytes'])}, {report['wall_s']:.1f} s",
+        f"prefill tokens saved: {report['prefill_tokens_saved']:,} of "
+        f"{report['prompt_tokens']:,} ({report['prefill_saved_ratio']:.1%}); "
+        f"blocks found in any tier: {report['block_hit_ratio']:.1%}",
+        "",
+    ]
+    header = (
+        f"{'tier':<6} {'cap blk':>8} {'hit blk':>8} {'served':>8} {'prefix tok':>11} "
+        f"{'written':>10} {'read':>10} {'wr GB/s':>8} {'rd GB/s':>8} "
+        f"{'load p50/p99 ms':>16} {'evict':>7} {'fail':>5} {'shed':>5}"
+    )
+    lines += [header, "-" * len(header)]
+    for medium, t in report["tiers"].items():
+        if medium == "CPU":
+            written, read = t["bytes_stored"], t["bytes_loaded"]
+            wr = rd = "-"
+            load = f"{t['load_ms']['p50']:.2f}/{t['load_ms']['p99']:.2f}"
+            evict = fail = shed = "-"
+        else:
+            written, read = t["bytes_written"], t["bytes_read"]
+            wr, rd = f"{t['write_gbps']:.2f}", f"{t['read_gbps']:.2f}"
+            load = f"{t['load_job_ms']['p50']:.2f}/{t['load_job_ms']['p99']:.2f}"
+            evict = str(t["evictions"])
+            fail = str(t["store_failures"] + t["promotion_failures"])
+            shed = str(t["stores_shed"])
+        lines.append(
+            f"{medium:<6} {t['capacity_blocks']:>8} {t['block_hit_ratio']:>8.1%} "
+            f"{t['blocks_served']:>8} {t['usable_prefix_tokens']:>11,} "
+            f"{_human_bytes(written):>10} {_human_bytes(read):>10} {wr:>8} {rd:>8} "
+            f"{load:>16} {evict:>7} {fail:>5} {shed:>5}"
+        )
+    return "\n".join(lines)
+
+
+def format_study(rows: list[dict[str, Any]]) -> str:
+    header = f"{'policy':<10} {'capacity':>9} {'block hits':>11} {'prefix hits':>12}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['policy']:<10} {r['capacity_blocks']:>9} {r['block_hit_ratio']:>11.1%} "
+            f"{r['prefix_hit_ratio']:>12.1%}"
+        )
+    return "\n".join(lines)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def configure_parser(subparsers: Any) -> None:
+    """Add the ``replay`` subcommand to the ``tiering`` CLI."""
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a trace through a tiered store built from a YAML config",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, type=Path, help="the YAML config")
+    parser.add_argument("--trace", help="built-in trace (chat, rag, agent, mixed) or a .jsonl file")
+    parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
+    parser.add_argument("--seed", type=int, help="trace seed")
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    parser.add_argument("--engine-blocks", type=int, help="engine KV-cache blocks to allocate")
+    parser.add_argument("--no-verify", action="store_true", help="skip checking loaded bytes")
+    parser.add_argument(
+        "--overlap", action="store_true", help="let tier I/O run behind later requests"
+    )
+    parser.add_argument("--fresh", action="store_true", help="empty the tier paths first")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--policy-study",
+        action="store_true",
+        help="also compare policies and the Belady bound on the trace (metadata only)",
+    )
+    parser.add_argument(
+        "--policies", default="lru,arc", help="policies for --policy-study (comma separated)"
+    )
+    parser.add_argument(
+        "--sizes",
+        default="0.01,0.05,0.1,0.25,0.5",
+        help="--policy-study CPU sizes as fractions of the trace's unique blocks",
+    )
+    parser.add_argument("--plot", type=Path, help="draw hit ratio against CPU size (PNG)")
+    parser.set_defaults(func=_main)
+
+
+def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
+    settings = config.replay
+    options = ReplayOptions(
+        trace=settings.trace,
+        scale=settings.scale,
+        seed=settings.seed,
+        engine_blocks=settings.engine_blocks,
+        max_requests=settings.max_requests,
+        verify=settings.verify,
+    )
+    overrides: dict[str, Any] = {
+        "trace": args.trace,
+        "scale": args.scale,
+        "seed": args.seed,
+        "engine_blocks": args.engine_blocks,
+        "max_requests": args.max_requests,
+    }
+    options = replace(options, **{k: v for k, v in overrides.items() if v is not None})
+    return replace(
+        options,
+        verify=options.verify and not args.no_verify,
+        overlap=args.overlap,
+        progress=not args.no_progress and not args.json,
+    )
+
+
+def _main(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    options = _options(config, args)
+    if args.fresh:
+        for tier in config.secondary_tiers:
+            if tier.path is not None and tier.path.exists():
+                shutil.rmtree(tier.path)
+    report = run_replay(config, options)
+    study: list[dict[str, Any]] = []
+    if args.policy_study or args.plot:
+        requests = load_trace(
+            options.trace, options.scale, options.seed, Path(config.source).parent
+        )
+        if options.max_requests is not None:
+            requests = requests[: options.max_requests]
+        hasher = PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm)
+        key_lists = [hasher.hash_blocks(r.token_ids, r.extra_keys) for r in requests]
+        unique = len({k for keys in key_lists for k in keys})
+        fractions = [float(f) for f in args.sizes.split(",") if f]
+        capacities = sorted({max(1, math.ceil(unique * f)) for f in fractions})
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        for name in policies:
+            get_policy_class(name)  # fails early with the list of known policies
+        study = policy_study(key_lists, capacities, policies)
+        report["policy_study"] = study
+        if args.plot:
+            _plot(study, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(format_report(report))
+        if study:
+            print()
+            print(format_study(study))
+        if args.plot:
+            print(f"\nplot written to {args.plot}")
+    return 1 if report["verify_failures"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``replay`` alone (``python -m tiering.replay``); the ``tiering`` CLI wraps it."""
+    parser = argparse.ArgumentParser(prog="tiering")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    configure_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (TieringError, OSError) as exc:
+        print(f"tiering replay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
