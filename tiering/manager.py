@@ -201,25 +201,28 @@ class CPUOffloadingManager:
             if self.num_free_blocks < len(to_store):
                 # Write-back: some victims keep their slots until a lower tier has them.
                 return None
-        slots = np.empty(len(to_store), np.int64)
-        for i, key in enumerate(to_store):
-            slot = self._allocate_slot()
-            self._blocks[key] = _Block(slot)
-            self._policy.insert(key, evictable=False)
-            slots[i] = slot
-        return PrepareStoreOutput(to_store, LoadStoreSpec(self.medium, slots), evicted)
+        slots = self._allocate_slots(len(to_store))
+        blocks = self._blocks
+        insert = self._policy.insert
+        for key, slot in zip(to_store, slots, strict=True):
+            blocks[key] = _Block(slot)
+            insert(key, False)
+        spec = LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64))
+        return PrepareStoreOutput(to_store, spec, evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
         """Finish a store: make the written keys ready, or on failure drop those still not
         ready and free their slots. Keys unknown or already ready are left alone."""
         done: list[OffloadKey] = []
+        blocks = self._blocks
+        set_evictable = self._policy.set_evictable
         for key in check_keys(keys):
-            block = self._blocks.get(key)
+            block = blocks.get(key)
             if block is None or block.ref_cnt != _NOT_READY:
                 continue
             if success:
                 block.ref_cnt = 0
-                self._policy.set_evictable(key, True)
+                set_evictable(key, True)
             else:
                 del self._blocks[key]
                 self._policy.remove(key)
@@ -228,11 +231,17 @@ class CPUOffloadingManager:
         if success:
             self._emit(done, removed=False)
 
-    def _allocate_slot(self) -> int:
-        if self._next_fresh_slot < self.num_blocks:
-            self._next_fresh_slot += 1
-            return self._next_fresh_slot - 1
-        return self._freed_slots.pop()
+    def _allocate_slots(self, n: int) -> list[int]:
+        """``n`` slots: fresh ones in increasing order, then the most recently freed."""
+        fresh = min(n, self.num_blocks - self._next_fresh_slot)
+        slots = list(range(self._next_fresh_slot, self._next_fresh_slot + fresh))
+        self._next_fresh_slot += fresh
+        reused = n - fresh
+        if reused:
+            freed = self._freed_slots
+            slots.extend(reversed(freed[-reused:]))
+            del freed[-reused:]
+        return slots
 
     def _free_slot(self, slot: int) -> None:
         self._freed_slots.append(slot)

@@ -1,0 +1,168 @@
+"""Manager metadata cost per operation at 1e3 to 1e6 blocks, and its growth.
+
+The manager runs in an engine's scheduler, on the critical path of every step, so its
+bookkeeping must stay small and flat as the CPU tier grows. For each size the manager is filled,
+then, in steady state:
+
+- store: ``prepare_store`` of a batch of new keys (each evicting one block) + ``complete_store``,
+  in microseconds per stored block, eviction included;
+- lookup: ``lookup`` of a present key, in microseconds per lookup (random keys);
+- the reference, measured in the same run: the same operations on a bare ``OrderedDict``
+  (``popitem`` + insert for a store, ``in`` + ``move_to_end`` skipped for a lookup: a dict probe),
+  the least any Python LRU can spend.
+
+Keys are made in advance; one torch thread; median of repetitions.
+
+Usage: python benchmarks/bench_metadata.py [--quick] [--sizes 1000,10000,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from tiering.manager import CPUOffloadingManager
+from tiering.tiering_manager import TieringOffloadingManager
+
+BATCH = 16
+
+
+def _keys(start: int, count: int) -> list[bytes]:
+    return [i.to_bytes(32, "big") + b"\x00\x00\x00\x00" for i in range(start, start + count)]
+
+
+def _fill(manager: CPUOffloadingManager | TieringOffloadingManager, num_blocks: int) -> None:
+    keys = _keys(0, num_blocks)
+    for i in range(0, num_blocks, 1024):
+        batch = keys[i : i + 1024]
+        manager.prepare_store(batch)
+        manager.complete_store(batch)
+
+
+def _store_us(manager: CPUOffloadingManager | TieringOffloadingManager, start: int, n: int) -> float:
+    batches = [_keys(start + i, BATCH) for i in range(0, n, BATCH)]
+    t0 = time.perf_counter()
+    for batch in batches:
+        manager.prepare_store(batch)
+        manager.complete_store(batch)
+    return (time.perf_counter() - t0) / (len(batches) * BATCH) * 1e6
+
+
+def _lookup_us(
+    manager: CPUOffloadingManager | TieringOffloadingManager, present: list[bytes], n: int
+) -> float:
+    probe = [bytes(bytearray(k)) for k in random.Random(0).choices(present, k=n)]
+    lookup = manager.lookup
+    t0 = time.perf_counter()
+    for key in probe:
+        lookup(key)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _reference(num_blocks: int, n: int) -> tuple[float, float]:
+    order: OrderedDict[bytes, int] = OrderedDict((k, 0) for k in _keys(0, num_blocks))
+    fresh = _keys(num_blocks, n)
+    t0 = time.perf_counter()
+    for key in fresh:
+        order.popitem(last=False)
+        order[key] = 0
+    store = (time.perf_counter() - t0) / n * 1e6
+    # Fresh key objects, as the manager's probe gets: their hashes are not cached yet.
+    probe = [bytes(bytearray(k)) for k in random.Random(0).choices(list(order), k=n)]
+    t0 = time.perf_counter()
+    for key in probe:
+        _ = key in order
+    lookup = (time.perf_counter() - t0) / n * 1e6
+    return store, lookup
+
+
+def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
+    rows = []
+    ref_store, ref_lookup = zip(*(_reference(num_blocks, ops) for _ in range(reps)), strict=True)
+    for kind, policy in (("cpu", "lru"), ("cpu", "arc"), ("tiering", "lru")):
+        primary = CPUOffloadingManager(num_blocks, policy)
+        manager: CPUOffloadingManager | TieringOffloadingManager = primary
+        if kind == "tiering":
+            pool = torch.empty((1, 64), dtype=torch.uint8)  # metadata only: no bytes move
+            manager = TieringOffloadingManager(
+                CPUOffloadingManager(num_blocks, policy), [], pool=pool.expand(num_blocks, 64)
+            )
+        _fill(manager, num_blocks)
+        gc.collect()
+        gc.disable()
+        try:
+            stores, lookups = [], []
+            next_key = num_blocks
+            for _ in range(reps):
+                stores.append(_store_us(manager, next_key, ops))
+                next_key += ops
+                present = _keys(next_key - num_blocks, num_blocks)
+                lookups.append(_lookup_us(manager, present, ops))
+        finally:
+            gc.enable()
+        rows.append(
+            {
+                "manager": kind,
+                "policy": policy,
+                "blocks": num_blocks,
+                "store_us_per_block": round(statistics.median(stores), 3),
+                "lookup_us": round(statistics.median(lookups), 3),
+                "ordereddict_store_us": round(statistics.median(ref_store), 3),
+                "dict_lookup_us": round(statistics.median(ref_lookup), 3),
+            }
+        )
+        if isinstance(manager, TieringOffloadingManager):
+            manager.shutdown()
+        del manager, primary
+        gc.collect()
+    return rows
+
+
+def _print_table(rows: list[dict[str, object]]) -> None:
+    print(
+        "| manager | policy | blocks | store us/block | lookup us | "
+        "OrderedDict store us | dict lookup us |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['manager']} | {r['policy']} | {r['blocks']:,} | {r['store_us_per_block']} | "
+            f"{r['lookup_us']} | {r['ordereddict_store_us']} | {r['dict_lookup_us']} |"
+        )
+    print()
+    print("| manager | policy | store growth 1e3 -> max | lookup growth 1e3 -> max |")
+    print("|---|---|---:|---:|")
+    for kind, policy in dict.fromkeys((r["manager"], r["policy"]) for r in rows):
+        series = [r for r in rows if r["manager"] == kind and r["policy"] == policy]
+        first, last = series[0], series[-1]
+        store_growth = float(last["store_us_per_block"]) / float(first["store_us_per_block"])  # type: ignore[arg-type]
+        lookup_growth = float(last["lookup_us"]) / float(first["lookup_us"])  # type: ignore[arg-type]
+        print(f"| {kind} | {policy} | {store_growth:.2f}x | {lookup_growth:.2f}x |")
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="sizes up to 1e5, fewer ops")
+    parser.add_argument("--sizes", help="comma-separated block counts")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    else:
+        sizes = [1_000, 10_000, 100_000] if args.quick else [1_000, 10_000, 100_000, 1_000_000]
+    ops = 20_000 if args.quick else 100_000
+    reps = 3 if args.quick else 5
+    rows = [row for size in sizes for row in bench_size(size, ops, reps)]
+    _print_table(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
