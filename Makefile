@@ -32,7 +32,7 @@ pytest: install
 test: lint typecheck pytest
 
 demo: install
-	$(VENV)/bin/tiering replay --config examples/tiering.yaml
+	$(VENV)/bin/tiering replay --config examples/tiering.yaml --fresh
 
 bench: install
 	$(PY) benchmarks/run_all.py --out docs/benchmarks.md

@@ -46,7 +46,9 @@ def _fill(manager: CPUOffloadingManager | TieringOffloadingManager, num_blocks: 
         manager.complete_store(batch)
 
 
-def _store_us(manager: CPUOffloadingManager | TieringOffloadingManager, start: int, n: int) -> float:
+def _store_us(
+    manager: CPUOffloadingManager | TieringOffloadingManager, start: int, n: int
+) -> float:
     batches = [_keys(start + i, BATCH) for i in range(0, n, BATCH)]
     t0 = time.perf_counter()
     for batch in batches:

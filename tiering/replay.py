@@ -29,13 +29,18 @@ import numpy as np
 import torch
 
 from tiering.belady import simulate
-from tiering.config import TieringConfig, build_manager, load_config
+from tiering.config import (
+    TieringConfig,
+    build_manager,
+    build_pool,
+    layout_for_config,
+    load_config,
+)
 from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
-from tiering.identity import layout_fingerprint
 from tiering.model_shapes import get_model_shape
 from tiering.policies import get_policy_class
-from tiering.pool import CPUBlockPool, KVBlockCopier
+from tiering.pool import KVBlockCopier
 from tiering.progress import ProgressBar
 from tiering.sim_engine import RequestResult, SimulatedEngine
 from tiering.traces import Request, builtin_trace, read_jsonl
@@ -89,21 +94,19 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
         requests = requests[: options.max_requests]
 
     kv_tensors, caches = shape.allocate(options.engine_blocks, spec)
-    block_bytes = caches.offloaded_block_bytes_per_rank()
-    fingerprint = layout_fingerprint(
-        spec,
-        block_bytes=block_bytes,
-        dtype=shape.dtype,
-        hash_algorithm=config.hashing.algorithm,
-        model=shape.name,
-    )
-    cpu_blocks = config.primary.capacity_bytes // block_bytes
-    if cpu_blocks < 1:
+    # The bytes come from the tensors really allocated; they must agree with what the tiers
+    # were configured (and fingerprinted) for.
+    world_size = config.model.world_size
+    block_bytes = caches.offloaded_block_bytes(world_size)
+    layout = layout_for_config(config)
+    if block_bytes != layout.block_bytes:
         raise ConfigError(
-            f"{config.source}: primary.capacity: {config.primary.capacity_bytes} bytes hold no "
-            f"block of {block_bytes} bytes ({shape.name}); give at least {block_bytes} bytes"
+            f"{config.source}: model: the allocated KV tensors give {block_bytes} bytes per "
+            f"offloaded block but the config computes {layout.block_bytes}"
         )
-    pool = CPUBlockPool(cpu_blocks, block_bytes)
+    fingerprint = layout.fingerprint
+    pool = build_pool(config, block_bytes=block_bytes)
+    cpu_blocks = pool.num_blocks
     manager = build_manager(config, block_bytes=block_bytes, fingerprint=fingerprint, pool=pool)
     results: list[RequestResult] = []
     started = time.perf_counter()

@@ -17,10 +17,22 @@ _registry: dict[str, type[EvictionPolicy]] = {}
 def discover_policies() -> dict[str, type[EvictionPolicy]]:
     """Policies provided by installed third-party packages, by name.
 
-    The hook for plugin discovery (entry points, to come): the registry merges its result, under
-    the explicitly registered names, on every lookup. Returns nothing for now.
+    The hook for plugin discovery: entry points of group ``tiering.policies`` (value
+    ``"module:Class"``), found once and imported on first use (cached; see
+    :class:`tiering.registry.PluginGroup`). The registry merges the result under the explicitly
+    registered names. A broken plugin is left out here; looking up its name raises its error.
     """
-    return {}
+    from tiering.registry import POLICY_PLUGINS  # late: tiering.registry imports the backends
+
+    found: dict[str, type[EvictionPolicy]] = {}
+    for name in POLICY_PLUGINS.names():
+        try:
+            loaded = POLICY_PLUGINS.load(name, _check_policy_class)
+        except ConfigurationError:
+            continue  # fails only its own name, in get_policy_class
+        if loaded is not None:
+            found[name] = loaded
+    return found
 
 
 def register_policy(name: str, cls: type[EvictionPolicy], *, replace: bool = False) -> None:
@@ -62,9 +74,13 @@ def get_policy_class(name: str) -> type[EvictionPolicy]:
         )
     if ":" in name:
         return _import_policy_class(name)
+    registered = _registry.get(name.lower())
+    if registered is not None:
+        return registered  # registered names need no plugin discovery
     known = _known()
     cls = known.get(name.lower())
     if cls is None:
+        _raise_if_broken_plugin(name)
         raise ConfigurationError(
             f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(known))} "
             f"(or a 'module:Class' path to an EvictionPolicy subclass)"
@@ -80,6 +96,13 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 def _known() -> dict[str, type[EvictionPolicy]]:
     discovered = {key.lower(): cls for key, cls in discover_policies().items()}
     return {**discovered, **_registry}
+
+
+def _raise_if_broken_plugin(name: str) -> None:
+    """Raise the load error of a policy entry point named ``name``, if there is one."""
+    from tiering.registry import POLICY_PLUGINS
+
+    POLICY_PLUGINS.load(name.lower(), _check_policy_class)
 
 
 def _import_policy_class(path: str) -> type[EvictionPolicy]:

@@ -1,0 +1,638 @@
+"""The ``tiering`` command line: check a config, print its schema, inspect tiers, check the machine.
+
+Subcommands (each sets ``func(args) -> int``, the exit status)::
+
+    tiering config check FILE        validate a YAML config; summary of tiers and capacities
+    tiering config schema            the config's JSON Schema
+    tiering inspect --config FILE    open each secondary tier, count and verify every block
+    tiering doctor [--config FILE]   what this machine supports (OK / WARN / FAIL per check)
+    tiering replay ...               (added by :mod:`tiering.replay` when it is installed)
+
+Errors are reported at this boundary: a bad config or any :class:`~tiering.errors.TieringError`
+or ``OSError`` prints its message (never a traceback) and exits 2; anything unexpected prints a
+one-line summary and exits 3 (``--debug`` re-raises it instead). Exit 1 means "inspect found
+corrupt or unreadable blocks" or "doctor found a FAIL".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import json
+import mmap
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiering.backends.base import Outcome
+from tiering.config import (
+    ConfigWarning,
+    TierConfig,
+    TieringConfig,
+    build_backend,
+    config_json_schema,
+    layout_for_config,
+    load_config,
+)
+from tiering.errors import ConfigError, TieringError
+from tiering.progress import ProgressBar
+
+__all__ = ["build_parser", "format_bytes", "main"]
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1  # inspect found bad blocks, or doctor found a FAIL
+EXIT_ERROR = 2  # bad config, bad arguments, or an I/O error
+EXIT_UNEXPECTED = 3  # a bug: an exception that is not a TieringError or OSError
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``num_bytes`` in binary units, three significant digits: ``"1.5 GiB"``, ``"512 B"``."""
+    value = float(num_bytes)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{num_bytes} B"
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# -- config check and schema ---------------------------------------------------------------------
+
+
+def _load(path: str) -> TieringConfig:
+    """Load a config; its :class:`ConfigWarning` s go to stderr as one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        config = load_config(path)
+    for warning in caught:
+        if issubclass(warning.category, ConfigWarning):
+            print(f"warning: {warning.message}", file=sys.stderr)
+        else:  # not ours: let the normal machinery show it
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    return config
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config = _load(args.file)
+    layout = None if config.model is None else layout_for_config(config)
+    primary = config.primary
+    # One row per tier: name, type, capacity, blocks it holds, the rest.
+    rows = [
+        (
+            "primary",
+            "cpu",
+            format_bytes(primary.capacity_bytes),
+            "" if layout is None else f"{config.num_cpu_blocks(layout.block_bytes)} blocks",
+            f"policy {primary.policy}",
+        )
+    ]
+    for tier in config.secondary_tiers:
+        blocks = ""
+        if layout is not None:
+            # Constructing the backend validates its settings for this block size; no I/O.
+            backend = build_backend(
+                tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint
+            )
+            if backend.capacity_blocks == 0:
+                raise ConfigError(
+                    f"{config.source}: tier {tier.name!r}: capacity "
+                    f"{format_bytes(tier.capacity_bytes)} holds no block of "
+                    f"{format_bytes(layout.block_bytes)} once the {tier.type} backend's "
+                    "per-block overhead is counted; make it larger"
+                )
+            blocks = f"{backend.capacity_blocks} blocks"
+        where = "" if tier.path is None else f", path {tier.path}"
+        rows.append(
+            (
+                tier.name,
+                tier.type,
+                format_bytes(tier.capacity_bytes),
+                blocks,
+                f"policy {tier.policy}, {tier.write_policy.value}{where}",
+            )
+        )
+    print(f"{args.file}: OK")
+    if config.model is None or layout is None:
+        print("model: none (the blocks each tier holds depend on model.shape)")
+    else:
+        print(
+            f"model: {config.model.shape}, world size {config.model.world_size}, "
+            f"block_size_factor {config.block_size_factor}: one block is "
+            f"{format_bytes(layout.block_bytes)} ({layout.block_bytes} bytes)"
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for name, kind, capacity, blocks, rest in rows:
+        print(
+            f"  {name:<{widths[0]}}  {kind:<{widths[1]}}  {capacity:>{widths[2]}}  "
+            f"{blocks:>{widths[3]}}  {rest}"
+        )
+    return EXIT_OK
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    sys.stdout.write(json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n")
+    return EXIT_OK
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TierReport:
+    """What ``tiering inspect`` found in one tier."""
+
+    name: str
+    type: str
+    path: str | None
+    capacity_bytes: int
+    capacity_blocks: int
+    blocks: int = 0  # found (and indexed) when the backend opened
+    usage_bytes: int = 0
+    verified: int = 0  # read back and verified
+    corrupt: int = 0  # failed verification (and were removed), at open or on read
+    missing: int = 0  # indexed at open, gone when read
+    failed: int = 0  # I/O errors on read
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.corrupt == 0 and self.failed == 0
+
+
+# Recovery counters of the built-in backends: blocks dropped at open because they did not verify.
+_DROPPED_AT_OPEN = ("recovery_rejected", "recovery_dropped_blocks")
+
+
+def _for_inspection(tier: TierConfig) -> TierConfig:
+    """``tier`` with payload checks left to the read pass (``recover: trust_header``).
+
+    Verifying at open as well would read every block twice, and a block dropped at open could
+    not be told apart from one that was never stored.
+    """
+    settings = tier.settings
+    if getattr(settings, "recover", None) != "verify" or not dataclasses.is_dataclass(settings):
+        return tier
+    assert not isinstance(settings, type)
+    return dataclasses.replace(tier, settings=dataclasses.replace(settings, recover="trust_header"))
+
+
+async def inspect_tier(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    batch_blocks: int,
+    progress: Callable[[int, str], ProgressBar],
+) -> TierReport:
+    """Open ``tier``'s backend, then read every stored block back (verified) in batches."""
+    backend = build_backend(_for_inspection(tier), block_bytes=block_bytes, fingerprint=fingerprint)
+    report = TierReport(
+        name=tier.name,
+        type=str(tier.type),
+        path=None if tier.path is None else str(tier.path),
+        capacity_bytes=backend.capacity_bytes,
+        capacity_blocks=backend.capacity_blocks,
+    )
+    if tier.path is not None and not tier.path.exists():
+        report.notes.append(f"{tier.path} does not exist: nothing stored yet")
+        return report  # opening would create it
+    start_s = time.perf_counter()
+    keys = await backend.open()
+    try:
+        report.blocks = len(keys)
+        report.usage_bytes = backend.usage_bytes
+        dropped = sum(backend.stats.extra.get(name, 0) for name in _DROPPED_AT_OPEN)
+        if dropped:
+            report.corrupt += dropped
+            report.notes.append(f"{dropped} block(s) failed verification when the tier opened")
+        if backend.stats.extra.get("manifest_mismatch"):
+            report.notes.append(
+                "the tier was written for another block layout (model, block size or "
+                "fingerprint) and was emptied on open, as the manager would have done"
+            )
+        # Page-aligned (O_DIRECT tiers read straight into it), reused by every batch.
+        scratch = memoryview(mmap.mmap(-1, batch_blocks * block_bytes))
+        buffers = [scratch[i * block_bytes : (i + 1) * block_bytes] for i in range(batch_blocks)]
+        with progress(len(keys), f"verifying {tier.name}") as bar:
+            for first in range(0, len(keys), batch_blocks):
+                batch = keys[first : first + batch_blocks]
+                outcomes = await backend.get(batch, buffers[: len(batch)])
+                report.verified += outcomes.count(Outcome.OK)
+                report.corrupt += outcomes.count(Outcome.CORRUPT)
+                report.missing += outcomes.count(Outcome.MISSING)
+                report.failed += outcomes.count(Outcome.FAILED)
+                bar.update(len(batch))
+    finally:
+        await backend.close()
+    report.seconds = time.perf_counter() - start_s
+    return report
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    layout = layout_for_config(config)
+    block_bytes, fingerprint = layout.block_bytes, layout.fingerprint
+    tiers = list(config.secondary_tiers) if args.tier is None else [config.tier(args.tier)]
+
+    def progress(total: int, label: str) -> ProgressBar:
+        return ProgressBar(total, label, stream=sys.stderr, enabled=not args.no_progress)
+
+    async def run() -> list[TierReport]:
+        return [
+            await inspect_tier(
+                tier,
+                block_bytes=block_bytes,
+                fingerprint=fingerprint,
+                batch_blocks=args.batch_blocks,
+                progress=progress,
+            )
+            for tier in tiers
+        ]
+
+    reports = asyncio.run(run())
+    if args.json:
+        document = {
+            "config": str(args.config),
+            "block_bytes": block_bytes,
+            "tiers": [dataclasses.asdict(r) | {"healthy": r.healthy} for r in reports],
+            "corrupt": sum(r.corrupt for r in reports),
+            "failed": sum(r.failed for r in reports),
+        }
+        sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    else:
+        for r in reports:
+            print(
+                f"tier {r.name} ({r.type}{', ' + r.path if r.path else ''}): {r.blocks} blocks, "
+                f"{format_bytes(r.usage_bytes)} used of {format_bytes(r.capacity_bytes)} "
+                f"({r.capacity_blocks} blocks)"
+            )
+            print(
+                f"  verified {r.verified}, corrupt {r.corrupt} (removed), missing {r.missing}, "
+                f"read errors {r.failed}  [{r.seconds:.2f} s]"
+            )
+            for note in r.notes:
+                print(f"  note: {note}")
+        if not reports:
+            print("no secondary tiers to inspect")
+    return EXIT_OK if all(r.healthy for r in reports) else EXIT_FINDINGS
+
+
+# -- doctor --------------------------------------------------------------------------------------
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+_PROBE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of ``tiering doctor``: a verdict (OK / WARN / FAIL) and why."""
+
+    name: str
+    verdict: str
+    detail: str
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists (a tier's directory may not exist yet)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def probe_o_direct(directory: Path) -> tuple[bool, str]:
+    """Whether ``directory``'s file system takes an ``O_DIRECT`` 4096-byte write and read."""
+    if not hasattr(os, "O_DIRECT"):
+        return False, "this OS has no O_DIRECT"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".tiering-o-direct-", dir=directory)
+    except OSError as exc:
+        return False, f"cannot create a file in {directory}: {exc.strerror}"
+    os.close(fd)
+    written = mmap.mmap(-1, _PROBE_BYTES)  # page-aligned, as O_DIRECT requires
+    read_back = mmap.mmap(-1, _PROBE_BYTES)
+    try:
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_DIRECT)
+        except OSError as exc:
+            return False, f"the file system refuses O_DIRECT ({exc.strerror})"
+        try:
+            written.write(os.urandom(_PROBE_BYTES))
+            if os.pwrite(fd, written, 0) != _PROBE_BYTES:
+                return False, "a 4096-byte O_DIRECT write was short"
+            if os.preadv(fd, [read_back], 0) != _PROBE_BYTES or read_back[:] != written[:]:
+                return False, "a 4096-byte O_DIRECT read did not return what was written"
+        except OSError as exc:
+            return False, f"an aligned 4096-byte O_DIRECT write/read failed ({exc.strerror})"
+        finally:
+            os.close(fd)
+    finally:
+        written.close()
+        read_back.close()
+        os.unlink(name)
+    return True, "an aligned 4096-byte write and read round-trip"
+
+
+def _allocated_bytes(path: Path) -> int:
+    """Bytes of disk already allocated under ``path`` (a tier's own files count as room)."""
+    if not path.exists():
+        return 0
+    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.lstat().st_blocks * 512 for p in paths)
+
+
+def _python_checks() -> list[Check]:
+    checks = []
+    # No version verdict: this code does not even import on Python < 3.11.
+    python = f"{platform.python_implementation()} {platform.python_version()}"
+    checks.append(Check("python", OK, f"{python} at {sys.executable}"))
+    try:
+        import torch
+    except ImportError as exc:
+        checks.append(Check("torch", FAIL, f"cannot import torch: {exc}"))
+        return checks
+    checks.append(Check("torch", OK, f"{torch.__version__}"))
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        checks.append(Check("cuda", OK, f"{torch.cuda.device_count()} device(s): {names}"))
+    else:
+        checks.append(
+            Check("cuda", WARN, "no CUDA device: CPU tiers work; GPU <-> CPU copies need CUDA")
+        )
+    try:
+        torch.empty(1, pin_memory=True)
+    except Exception as exc:  # torch raises RuntimeError with any of several messages
+        reason = str(exc).split(";")[0].strip() or type(exc).__name__
+        checks.append(
+            Check(
+                "pinned memory",
+                WARN,
+                f"not available ({reason[:100]}); the CPU pool is pageable memory, so "
+                "GPU copies cannot overlap compute",
+            )
+        )
+    else:
+        checks.append(Check("pinned memory", OK, "torch.empty(1, pin_memory=True) works"))
+    return checks
+
+
+def _library_checks() -> list[Check]:
+    checks = []
+    try:
+        import lmdb
+    except ImportError as exc:
+        checks.append(Check("lmdb", FAIL, f"cannot import lmdb ({exc}); lmdb tiers cannot open"))
+    else:
+        library = ".".join(str(part) for part in lmdb.version())
+        checks.append(Check("lmdb", OK, f"py-lmdb {lmdb.__version__}, LMDB {library}"))
+    try:
+        import xxhash
+    except ImportError as exc:
+        checks.append(Check("xxhash", FAIL, f"cannot import xxhash ({exc}); blocks cannot verify"))
+    else:
+        checks.append(Check("xxhash", OK, f"{xxhash.VERSION} (xxh3 block checksums)"))
+    cpus = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    detail = f"{usable} usable of {cpus}"
+    if usable < 2:
+        checks.append(
+            Check("cpus", WARN, f"{detail}: tier I/O threads will compete with the engine")
+        )
+    else:
+        checks.append(Check("cpus", OK, detail))
+    return checks
+
+
+def _shm_check(primary_bytes: int | None) -> Check:
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return Check("/dev/shm", WARN, "missing: a pool shared between processes needs a file")
+    usage = shutil.disk_usage(shm)
+    detail = f"{format_bytes(usage.total)} total, {format_bytes(usage.free)} free"
+    if primary_bytes is not None and usage.free < primary_bytes:
+        return Check(
+            "/dev/shm",
+            WARN,
+            f"{detail}: a shared primary pool of {format_bytes(primary_bytes)} would not fit",
+        )
+    return Check("/dev/shm", OK, detail)
+
+
+def _tier_checks(config: TieringConfig) -> list[Check]:
+    checks = []
+    needed_by_device: dict[int, int] = {}  # tiers on one file system share its free space
+    for tier in config.secondary_tiers:
+        if tier.path is None:
+            checks.append(Check(f"tier {tier.name}", OK, f"{tier.type}: no files to check"))
+            continue
+        path = Path(tier.path)
+        directory = _existing_ancestor(path)
+        wants_o_direct = getattr(tier.settings, "o_direct", False) is True
+        works, why = probe_o_direct(directory)
+        if works:
+            checks.append(Check(f"tier {tier.name} O_DIRECT", OK, f"{directory}: {why}"))
+        else:
+            verdict = FAIL if wants_o_direct else WARN
+            consequence = (
+                "the tier sets o_direct: true and cannot open"
+                if wants_o_direct
+                else "the page cache will be used"
+            )
+            checks.append(
+                Check(f"tier {tier.name} O_DIRECT", verdict, f"{directory}: {why}; {consequence}")
+            )
+        device = directory.stat().st_dev
+        needed = max(0, tier.capacity_bytes - _allocated_bytes(path))
+        needed_by_device[device] = needed_by_device.get(device, 0) + needed
+        free = shutil.disk_usage(directory).free
+        detail = (
+            f"{directory}: {format_bytes(free)} free; capacity {format_bytes(tier.capacity_bytes)}"
+            f" needs {format_bytes(needed)} more"
+        )
+        if needed_by_device[device] > free:
+            if needed_by_device[device] > needed:
+                detail += " (counting earlier tiers on the same file system)"
+            checks.append(Check(f"tier {tier.name} space", FAIL, detail))
+        else:
+            checks.append(Check(f"tier {tier.name} space", OK, detail))
+    return checks
+
+
+def run_doctor(config: TieringConfig | None) -> list[Check]:
+    """Every check, in the order printed."""
+    checks = _python_checks() + _library_checks()
+    primary_bytes = None if config is None else int(config.primary.capacity_bytes)
+    checks.append(_shm_check(primary_bytes))
+    if config is None:
+        directory = Path(tempfile.gettempdir())
+        works, why = probe_o_direct(directory)
+        checks.append(Check("O_DIRECT (temp dir)", OK if works else WARN, f"{directory}: {why}"))
+    else:
+        checks += _tier_checks(config)
+    return checks
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    config = None if args.config is None else _load(args.config)
+    checks = run_doctor(config)
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.verdict:<5} {c.name:<{width}}  {c.detail}")
+    failed = sum(c.verdict == FAIL for c in checks)
+    warned = sum(c.verdict == WARN for c in checks)
+    print(f"{len(checks)} checks: {failed} FAIL, {warned} WARN")
+    return EXIT_FINDINGS if failed else EXIT_OK
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_replay(subparsers: Any) -> None:
+    """Let :mod:`tiering.replay` add its subcommand, if that module exists."""
+    try:
+        replay_mod = importlib.import_module("tiering.replay")
+    except ModuleNotFoundError as exc:
+        if exc.name == "tiering.replay":
+            return  # not written yet / not installed
+        error: Exception = exc
+    except Exception as exc:  # a broken replay module must not break the other subcommands
+        error = exc
+    else:
+        configure = getattr(replay_mod, "configure_parser", None)
+        if callable(configure):
+            configure(subparsers)
+        return
+    message = f"replay is unavailable: {type(error).__name__}: {error}"
+
+    def unavailable(args: argparse.Namespace) -> int:
+        print(f"tiering: {message}", file=sys.stderr)
+        return EXIT_ERROR
+
+    stub = subparsers.add_parser("replay", help="(unavailable) " + message)
+    stub.add_argument("rest", nargs=argparse.REMAINDER)
+    stub.set_defaults(func=unavailable)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiering", description="Tiered KV-cache store: configs, tiers and this machine."
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an unexpected error"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    config = commands.add_parser("config", help="check a config file or print its schema")
+    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION")
+    check = config_commands.add_parser(
+        "check", help="validate a YAML config and summarize its tiers"
+    )
+    check.add_argument("file", metavar="FILE", help="the YAML config")
+    check.set_defaults(func=cmd_config_check)
+    schema = config_commands.add_parser("schema", help="print the config's JSON Schema")
+    schema.set_defaults(func=cmd_config_schema)
+    config.set_defaults(func=lambda _args: _usage(config))
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="count and verify the blocks of each secondary tier",
+        description=(
+            "Open each secondary tier of the config (as the manager would, with the config's "
+            "block size and layout fingerprint), report its blocks, bytes used and capacity, "
+            "then read every block back and verify it. A block that fails verification is "
+            "reported and, as on any read, REMOVED from the tier; a tier written for another "
+            "block layout (model, block size) is emptied on open, as the manager would do. "
+            "Do not run it on a tier that a running engine has open. Exits 1 if any block "
+            "was corrupt or unreadable."
+        ),
+    )
+    inspect.add_argument("--config", required=True, metavar="FILE", help="the YAML config")
+    inspect.add_argument("--tier", metavar="NAME", help="only this tier")
+    inspect.add_argument("--json", action="store_true", help="print a JSON report")
+    inspect.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    inspect.add_argument(
+        "--batch-blocks",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="blocks read per batch (default 64)",
+    )
+    inspect.set_defaults(func=cmd_inspect)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check what this machine supports (OK / WARN / FAIL)",
+        description=(
+            "Check Python, torch, CUDA, pinned memory, LMDB, xxhash, CPUs and /dev/shm; with "
+            "--config, also O_DIRECT and free space on each tier's path. Exits 1 on a FAIL."
+        ),
+    )
+    doctor.add_argument("--config", metavar="FILE", help="also check this config's tier paths")
+    doctor.set_defaults(func=cmd_doctor)
+
+    _add_replay(commands)
+    parser.set_defaults(func=lambda _args: _usage(parser))
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad arguments
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    try:
+        status: int = args.func(args)
+        return status
+    except KeyboardInterrupt:
+        print("tiering: interrupted", file=sys.stderr)
+        return 130
+    except (TieringError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"tiering: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(
+            f"tiering: unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_UNEXPECTED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

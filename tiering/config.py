@@ -1,0 +1,1148 @@
+"""The YAML configuration: a file, checked into frozen objects, built into a manager.
+
+:func:`load_config` reads a YAML file (``docs/config.md`` documents every key) and
+:func:`parse_config` checks an already-loaded mapping; both return a :class:`TieringConfig`.
+:func:`build_manager` turns one into a running :class:`TieringOffloadingManager`.
+
+Reading is defensive, because a config is input: only plain YAML is read (a
+:class:`yaml.SafeLoader` that also refuses aliases, duplicate keys and deep nesting), files
+over :data:`MAX_CONFIG_BYTES` are refused, and every problem is a :class:`ConfigError` naming the
+file, the line when known, the dotted key path (``secondary_tiers[1].capacity``), the bad value
+and what is valid. Parsing has no side effects: tier directories are only checked to be
+creatable, and are created by :func:`build_manager`.
+
+Environment variables ``TIERING_<PATH>`` override keys: the dotted path upper-cased, with
+``__`` between levels and a tier's name in place of its index
+(``TIERING_SECONDARY_TIERS__NVME__CAPACITY=100GiB``). Values are read as YAML scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tiering.backends.base import StorageBackend
+from tiering.backends.settings import (
+    SIZE_JSON_SCHEMA,
+    NoSettings,
+    SettingsProblem,
+    field_json_schema,
+    format_size,
+    parse_settings,
+    settings_fields,
+    unknown_key_message,
+)
+from tiering.errors import ConfigError, ConfigurationError
+from tiering.groups import KVCacheSpec
+from tiering.identity import layout_fingerprint
+from tiering.manager import CPUOffloadingManager
+from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
+from tiering.policies import get_policy_class
+from tiering.pool import CPUBlockPool
+from tiering.registry import (
+    BUILTIN_BACKENDS,
+    GENERIC_TIER_KEYS,
+    NAME_PATTERN,
+    BackendEntry,
+    get_backend,
+)
+from tiering.tier import SecondaryTier, WritePolicy
+from tiering.tiering_manager import TieringOffloadingManager
+from tiering.traces import BUILTIN_TRACES, SCALES
+
+__all__ = [
+    "CONFIG_VERSION",
+    "ENV_PREFIX",
+    "IGNORED_ENV_VARS",
+    "MAX_CONFIG_BYTES",
+    "BlockLayout",
+    "ConfigWarning",
+    "EventsConfig",
+    "HashingConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "PrimaryConfig",
+    "ReplaySettings",
+    "TierConfig",
+    "TieringConfig",
+    "build_backend",
+    "build_manager",
+    "build_pool",
+    "build_tier",
+    "config_json_schema",
+    "layout_for_config",
+    "load_config",
+    "parse_config",
+]
+
+CONFIG_VERSION = 1
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; anything near this is not a config
+MAX_NESTING_DEPTH = 32  # a config nests 4 deep; this bounds the YAML composer's recursion
+ENV_PREFIX = "TIERING_"
+#: ``TIERING_*`` variables that are not overrides (the CLI's own settings).
+IGNORED_ENV_VARS = frozenset({"TIERING_CONFIG"})
+
+
+class ConfigWarning(UserWarning):
+    """A config that works but is probably not what was meant (e.g. a useless tier)."""
+
+
+# -- the frozen objects ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the blocks are: gives the block size in bytes and the layout fingerprint."""
+
+    shape: str = field(metadata={"doc": "a model shape name (tiering.model_shapes)"})
+    world_size: int = field(
+        default=1, metadata={"min": 1, "doc": "ranks (tensor-parallel workers) per block"}
+    )
+
+    def model_shape(self) -> ModelShape:
+        return get_model_shape(self.shape)
+
+
+@dataclass(frozen=True)
+class HashingConfig:
+    hash_block_size: int = field(
+        default=16, metadata={"min": 1, "doc": "tokens per hash block; divides the block size"}
+    )
+    algorithm: Literal["sha256", "xxh3_128"] = field(
+        default="sha256", metadata={"doc": "prefix hash algorithm"}
+    )
+
+
+@dataclass(frozen=True)
+class PrimaryConfig:
+    """The CPU tier."""
+
+    capacity_bytes: int = field(metadata={"key": "capacity", "doc": "byte budget of the CPU pool"})
+    policy: str = field(
+        default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
+    )
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One secondary tier. ``settings`` is an instance of its backend's settings class."""
+
+    name: str
+    type: str
+    capacity_bytes: int
+    path: Path | None
+    policy: str = "lru"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    selective_min_lookups: int = 2
+    max_inflight_jobs: int = 4
+    quarantine_seconds: float = 10.0
+    settings: object = field(default_factory=NoSettings)
+
+    @property
+    def env_name(self) -> str:
+        """The tier's part of override variable names (``TIERING_SECONDARY_TIERS__<this>__...``)."""
+        return _env_name(self.name)
+
+
+@dataclass(frozen=True)
+class _TierKeys:
+    """The generic keys of a tier (``name``, ``type`` and ``path`` are checked by hand)."""
+
+    capacity_bytes: int = field(
+        metadata={"key": "capacity", "doc": "byte budget of the tier's storage"}
+    )
+    policy: str = field(
+        default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
+    )
+    write_policy: Literal["write_through", "write_back", "write_through_selective"] = field(
+        default="write_through", metadata={"doc": "when blocks of the primary reach this tier"}
+    )
+    selective_min_lookups: int = field(
+        default=2,
+        metadata={"min": 1, "doc": "write_through_selective: lookups a key needs to be written"},
+    )
+    max_inflight_jobs: int = field(
+        default=4, metadata={"min": 1, "doc": "jobs in flight; over it stores are shed"}
+    )
+    quarantine_seconds: float = field(
+        default=10.0, metadata={"min": 0.0, "doc": "how long a failed key counts as absent"}
+    )
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    enabled: bool = field(default=False, metadata={"doc": "record stored/removed block events"})
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = field(default=True, metadata={"doc": "collect per-tier counters"})
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """Defaults of ``tiering replay`` (its command-line options override them)."""
+
+    trace: str = field(
+        default="mixed", metadata={"doc": "a built-in trace name or a path to a .jsonl file"}
+    )
+    scale: str = field(default="demo", metadata={"doc": "scale of a built-in trace"})
+    seed: int = field(default=0, metadata={"min": 0, "doc": "seed of a built-in trace"})
+    engine_blocks: int = field(
+        default=1024, metadata={"min": 2, "doc": "engine KV-cache blocks to allocate"}
+    )
+    max_requests: int | None = field(
+        default=None, metadata={"min": 1, "doc": "replay only the first N requests"}
+    )
+    verify: bool = field(default=True, metadata={"doc": "check every loaded block's bytes"})
+
+    def __post_init__(self) -> None:
+        if self.scale not in SCALES:
+            raise SettingsProblem(
+                "scale", f"{self.scale!r} is not a trace scale; valid: {', '.join(SCALES)}"
+            )
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    """A checked configuration. ``source`` names where it came from (the file path)."""
+
+    version: int
+    model: ModelConfig | None
+    hashing: HashingConfig
+    block_size_factor: int
+    primary: PrimaryConfig
+    secondary_tiers: tuple[TierConfig, ...]
+    events: EventsConfig
+    metrics: MetricsConfig
+    replay: ReplaySettings
+    source: str = "<config>"
+
+    def require_model(self) -> ModelConfig:
+        if self.model is None:
+            raise ConfigError(
+                f"{self.source}: model: missing; give model.shape (one of "
+                f"{', '.join(sorted(MODEL_SHAPES))}) or pass block_bytes and fingerprint"
+            )
+        return self.model
+
+    def model_shape(self) -> ModelShape:
+        return self.require_model().model_shape()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The model's KV-cache groups with this config's hashing and block size factor."""
+        return self.model_shape().kv_cache_spec(
+            self.hashing.hash_block_size, self.block_size_factor
+        )
+
+    def block_bytes_per_rank(self) -> int:
+        """Bytes of one offloaded block on one rank (as ``ModelShape.allocate`` lays it out)."""
+        shape = self.model_shape()
+        return shape.layers_per_position * shape.page_bytes * self.block_size_factor
+
+    def block_bytes(self) -> int:
+        """Bytes of one offloaded block over all ranks: one pool row, what every tier stores."""
+        return self.block_bytes_per_rank() * self.require_model().world_size
+
+    def fingerprint(self) -> bytes:
+        """The 16-byte layout fingerprint written in (and checked on) every stored block."""
+        shape = self.model_shape()
+        return layout_fingerprint(
+            self.kv_cache_spec(),
+            block_bytes=self.block_bytes(),
+            dtype=shape.dtype,
+            world_size=self.require_model().world_size,
+            hash_algorithm=self.hashing.algorithm,
+            model=shape.name,
+        )
+
+    def num_cpu_blocks(self, block_bytes: int | None = None) -> int:
+        """Blocks the primary's capacity holds; :class:`ConfigError` if none."""
+        if block_bytes is None:
+            block_bytes = self.block_bytes()
+        num_blocks = self.primary.capacity_bytes // block_bytes
+        if num_blocks < 1:
+            raise ConfigError(
+                f"{self.source}: primary.capacity: {format_size(self.primary.capacity_bytes)} "
+                f"holds no block of {block_bytes} bytes; give at least {format_size(block_bytes)}"
+            )
+        return num_blocks
+
+    def tier(self, name: str) -> TierConfig:
+        for tier in self.secondary_tiers:
+            if tier.name == name:
+                return tier
+        names = ", ".join(t.name for t in self.secondary_tiers) or "none"
+        raise ConfigError(f"{self.source}: no tier named {name!r}; tiers: {names}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serializable view (sizes in bytes, paths as strings, settings as mappings)."""
+        out = _jsonable(self)
+        assert isinstance(out, dict)
+        return out
+
+
+def _jsonable(value: object) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, WritePolicy):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# -- reading YAML --------------------------------------------------------------------------------
+
+
+class _LineMap(dict[str, Any]):
+    """A mapping read from YAML, with the (1-based) line of the mapping and of each key."""
+
+    def __init__(self, line: int | None = None) -> None:
+        super().__init__()
+        self.line = line
+        self.key_lines: dict[str, int] = {}
+
+
+class _LineList(list[Any]):
+    """A sequence read from YAML, with the line of the sequence and of each item."""
+
+    def __init__(self, line: int | None = None) -> None:
+        super().__init__()
+        self.line = line
+        self.item_lines: list[int] = []
+
+
+def _rejected(problem: str, mark: yaml.Mark | None) -> yaml.MarkedYAMLError:
+    return yaml.MarkedYAMLError(problem=problem, problem_mark=mark)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``SafeLoader`` that also refuses aliases, duplicate keys, non-string keys and deep nesting.
+
+    Aliases are refused outright (not bounded): a config never needs them, and refusing them
+    makes the size of the loaded data linear in the file's size ("billion laughs").
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise _rejected(
+                "YAML aliases (*name) are not allowed in a tiering config; write the value out",
+                self.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING_DEPTH:
+                raise _rejected(
+                    f"nested deeper than {MAX_NESTING_DEPTH} levels", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _construct_map(loader: yaml.SafeLoader, node: yaml.MappingNode) -> _LineMap:
+    data = _LineMap(node.start_mark.line + 1)
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, str):
+            raise _rejected(
+                f"keys must be strings, got {type(key).__name__} {key!r}", key_node.start_mark
+            )
+        if key in data:
+            raise _rejected(
+                f"duplicate key {key!r} (first on line {data.key_lines[key]})", key_node.start_mark
+            )
+        data[key] = loader.construct_object(value_node, deep=True)
+        data.key_lines[key] = line
+    return data
+
+
+def _construct_seq(loader: yaml.SafeLoader, node: yaml.SequenceNode) -> _LineList:
+    data = _LineList(node.start_mark.line + 1)
+    for item in node.value:
+        data.append(loader.construct_object(item, deep=True))
+        data.item_lines.append(item.start_mark.line + 1)
+    return data
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:map", _construct_map)
+_StrictLoader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    """The one YAML document in ``text``, read with :class:`_StrictLoader`."""
+    loader = _StrictLoader(text)
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = " ".join(p for p in (exc.context, exc.problem) if p) or str(exc)
+        if "constructor for the tag" in problem:
+            problem += "; only plain YAML (mappings, lists, strings, numbers, booleans) is allowed"
+        raise ConfigError(f"{where}: invalid config YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid config YAML: {exc}") from None
+    finally:
+        loader.dispose()
+
+
+def _read_text(path: Path, source: str) -> str:
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the config: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source}: the file is over {format_size(MAX_CONFIG_BYTES)} (the largest config "
+            "read); a tiering config is a few KB"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None
+) -> TieringConfig:
+    """Read and check the YAML config at ``path``; relative paths in it are taken from its
+    directory. ``env`` (default ``os.environ``) supplies ``TIERING_*`` overrides.
+
+    Raises :class:`ConfigError` naming the file, line, key path and bad value. Warns with
+    :class:`ConfigWarning` about settings that work but are likely mistakes.
+    """
+    file_path = Path(path)
+    source = str(file_path)
+    data = _load_yaml(_read_text(file_path, source), source)
+    return parse_config(data, source=source, base_dir=file_path.absolute().parent, env=env)
+
+
+def parse_config(
+    data: Mapping[str, Any] | None,
+    *,
+    source: str = "<config>",
+    base_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TieringConfig:
+    """Check a loaded config mapping (see :func:`load_config`); relative paths are taken from
+    ``base_dir`` (default: the current directory). ``env`` defaults to ``os.environ``."""
+    ctx = _Context(source, Path(base_dir) if base_dir is not None else Path.cwd())
+    if data is None:
+        raise ctx.error("", f"the config is empty; it needs at least {_MINIMAL_EXAMPLE}")
+    if not isinstance(data, Mapping):
+        raise ctx.error(
+            "",
+            f"the top level must be a mapping (keys {', '.join(_ROOT_KEYS)}), got "
+            f"{type(data).__name__}: {data!r:.60}",
+            _line_of(data),
+        )
+    tree = _copy_tree(data)
+    _apply_env_overrides(tree, os.environ if env is None else env, ctx)
+    return _parse_root(tree, ctx)
+
+
+_ROOT_KEYS = (
+    "version",
+    "model",
+    "hashing",
+    "block_size_factor",
+    "primary",
+    "secondary_tiers",
+    "events",
+    "metrics",
+    "replay",
+)
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "hashing": HashingConfig,
+    "primary": PrimaryConfig,
+    "events": EventsConfig,
+    "metrics": MetricsConfig,
+    "replay": ReplaySettings,
+}
+_SCALAR_KEYS = ("version", "block_size_factor")
+_MINIMAL_EXAMPLE = "'version: 1' and 'primary: {capacity: 4GiB}'"
+
+
+@dataclass
+class _Context:
+    source: str
+    base_dir: Path
+    env_origins: dict[str, str] = field(default_factory=dict)  # key path -> variable
+
+    def error(self, path: str, problem: str, line: int | None = None) -> ConfigError:
+        variable = self.env_origins.get(path)
+        where = f"{self.source}:{line}" if line and not variable else self.source
+        text = f"{where}: {path}: {problem}" if path else f"{where}: {problem}"
+        if variable:
+            text += f" (set by environment variable {variable})"
+        return ConfigError(text)
+
+
+def _line_of(value: object) -> int | None:
+    return getattr(value, "line", None)
+
+
+def _key_line(mapping: object, key: str | None) -> int | None:
+    lines = getattr(mapping, "key_lines", {})
+    return lines.get(key, _line_of(mapping)) if key else _line_of(mapping)
+
+
+def _copy_tree(value: Any) -> Any:
+    """A mutable copy (overrides are applied to it), keeping line numbers."""
+    if isinstance(value, Mapping):
+        out = _LineMap(_line_of(value))
+        for key, item in value.items():
+            out[key] = _copy_tree(item)
+        out.key_lines.update(getattr(value, "key_lines", {}))
+        return out
+    if isinstance(value, list | tuple):
+        items = _LineList(_line_of(value))
+        items.extend(_copy_tree(v) for v in value)
+        items.item_lines.extend(getattr(value, "item_lines", []))
+        return items
+    return value
+
+
+# -- environment overrides ---------------------------------------------------------------------
+
+
+def _env_name(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+def _apply_env_overrides(tree: _LineMap, env: Mapping[str, str], ctx: _Context) -> None:
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in IGNORED_ENV_VARS:
+            continue
+        parts = var[len(ENV_PREFIX) :].split("__")
+        value = _load_yaml(env[var], f"environment variable {var}")
+        if isinstance(value, Mapping | list):
+            raise ConfigError(
+                f"{ctx.source}: environment variable {var}: give a single value (a YAML "
+                f"scalar), got {env[var]!r:.60}"
+            )
+        path = _apply_override(tree, [p.lower() for p in parts], value, var, ctx)
+        ctx.env_origins[path] = var
+
+
+def _override_error(ctx: _Context, var: str, problem: str) -> ConfigError:
+    return ConfigError(f"{ctx.source}: environment variable {var}: {problem}")
+
+
+def _apply_override(tree: _LineMap, parts: list[str], value: Any, var: str, ctx: _Context) -> str:
+    """Set one override in ``tree``; returns the key path it set."""
+    top = parts[0]
+    if top not in _ROOT_KEYS:
+        raise _override_error(ctx, var, unknown_key_message(top, _ROOT_KEYS))
+    depth = {"secondary_tiers": 3}.get(top, 1 if top in _SCALAR_KEYS else 2)
+    if len(parts) != depth:
+        example = {1: top.upper(), 2: f"{top.upper()}__KEY", 3: f"{top.upper()}__NAME__KEY"}
+        raise _override_error(
+            ctx, var, f"malformed override; the form is {ENV_PREFIX}{example[depth]}"
+        )
+    if depth == 1:
+        tree[top] = value
+        return top
+    if top == "secondary_tiers":
+        return _override_tier(tree, parts[1], parts[2], value, var, ctx)
+    valid = [f.key for f in settings_fields(_SECTIONS[top])]
+    if parts[1] not in valid:
+        raise _override_error(ctx, var, f"{top}: {unknown_key_message(parts[1], valid)}")
+    section = tree.get(top)
+    if section is None:
+        section = tree[top] = _LineMap()
+    if isinstance(section, _LineMap):  # otherwise the parser reports the section itself
+        section[parts[1]] = value
+    return f"{top}.{parts[1]}"
+
+
+def _override_tier(
+    tree: _LineMap, tier_name: str, key: str, value: Any, var: str, ctx: _Context
+) -> str:
+    tiers = tree.get("secondary_tiers")
+    names: list[str | None] = []
+    for index, item in enumerate(tiers if isinstance(tiers, list) else []):
+        if not isinstance(item, _LineMap):
+            continue
+        name = _default_tier_name(item)
+        names.append(name)
+        if name is not None and _env_name(name) == tier_name.upper():
+            valid = list(GENERIC_TIER_KEYS)
+            try:
+                valid += [f.key for f in get_backend(str(item.get("type"))).settings_fields()]
+            except ConfigurationError:
+                valid = [key]  # a bad type: the parser reports it
+            if key not in valid:
+                raise _override_error(ctx, var, f"tier {name!r}: {unknown_key_message(key, valid)}")
+            item[key] = value
+            return f"secondary_tiers[{index}].{key}"
+    known = ", ".join(_env_name(n) for n in names if n) or "none"
+    raise _override_error(
+        ctx,
+        var,
+        f"no tier named {tier_name.upper()!r} (tiers: {known}); overrides change "
+        "existing tiers, they do not add them",
+    )
+
+
+def _default_tier_name(item: Mapping[str, Any]) -> str | None:
+    """A tier's name: its ``name`` key, else its type's name (None if neither is usable)."""
+    name = item.get("name")
+    if name is not None:
+        return name if isinstance(name, str) else None
+    tier_type = item.get("type")
+    if not isinstance(tier_type, str):
+        return None
+    if ":" not in tier_type:
+        return tier_type.lower()
+    try:
+        cls = get_backend(tier_type).cls
+    except ConfigurationError:
+        return None
+    declared = getattr(cls, "name", None)
+    return declared if isinstance(declared, str) else cls.__name__.lower()
+
+
+# -- checking ----------------------------------------------------------------------------------
+
+
+def _parse_section(ctx: _Context, data: Mapping[str, Any], key: str) -> Any:
+    value = data.get(key)
+    if value is None:
+        value = _LineMap()
+    if isinstance(value, _LineMap):
+        value.line = _key_line(data, key)  # a missing key is reported at its section's key
+    return _parse_mapping(ctx, value, key, _SECTIONS[key], _key_line(data, key))
+
+
+def _parse_mapping(
+    ctx: _Context,
+    value: object,
+    path: str,
+    cls: type,
+    line: int | None,
+    other_keys: Sequence[str] = (),
+) -> Any:
+    if not isinstance(value, Mapping):
+        keys = ", ".join(f.key for f in settings_fields(cls))
+        raise ctx.error(
+            path,
+            f"must be a mapping (keys {keys}), got {type(value).__name__}: {value!r:.60}",
+            line,
+        )
+    try:
+        return parse_settings(cls, value, base_dir=ctx.base_dir, other_keys=other_keys)
+    except SettingsProblem as exc:
+        key_path = f"{path}.{exc.key}" if exc.key else path
+        raise ctx.error(key_path, exc.problem, _key_line(value, exc.key)) from None
+
+
+def _parse_root(data: _LineMap, ctx: _Context) -> TieringConfig:
+    for key in data:
+        if key not in _ROOT_KEYS:
+            raise ctx.error(key, unknown_key_message(key, _ROOT_KEYS), _key_line(data, key))
+    version = _parse_version(data, ctx)
+    block_size_factor = data.get("block_size_factor", 1)
+    if (
+        isinstance(block_size_factor, bool)
+        or not isinstance(block_size_factor, int)
+        or (block_size_factor < 1)
+    ):
+        raise ctx.error(
+            "block_size_factor",
+            f"{block_size_factor!r} is not valid: give an integer >= 1 (GPU blocks per "
+            "offloaded block)",
+            _key_line(data, "block_size_factor"),
+        )
+    if "primary" not in data:
+        raise ctx.error("primary", f"missing; give at least {_MINIMAL_EXAMPLE}", data.line)
+    primary = _parse_section(ctx, data, "primary")
+    _check_policy(ctx, primary.policy, "primary.policy", data.get("primary"))
+    model = None if data.get("model") is None else _parse_section(ctx, data, "model")
+    hashing = _parse_section(ctx, data, "hashing")
+    config = TieringConfig(
+        version=version,
+        model=model,
+        hashing=hashing,
+        block_size_factor=block_size_factor,
+        primary=primary,
+        secondary_tiers=_parse_tiers(ctx, data),
+        events=_parse_section(ctx, data, "events"),
+        metrics=_parse_section(ctx, data, "metrics"),
+        replay=_parse_replay(ctx, data),
+        source=ctx.source,
+    )
+    if model is not None:
+        _check_model(ctx, data, config)
+    _warn_about_small_tiers(ctx, config)
+    return config
+
+
+def _parse_version(data: _LineMap, ctx: _Context) -> int:
+    if "version" not in data:
+        raise ctx.error("version", f"missing; add 'version: {CONFIG_VERSION}'", data.line)
+    version = data["version"]
+    if isinstance(version, bool) or version != CONFIG_VERSION:
+        raise ctx.error(
+            "version",
+            f"unsupported config version {version!r}; supported: {CONFIG_VERSION}",
+            _key_line(data, "version"),
+        )
+    return CONFIG_VERSION
+
+
+def _check_policy(ctx: _Context, name: str, path: str, section: object) -> None:
+    try:
+        get_policy_class(name)
+    except ConfigurationError as exc:
+        raise ctx.error(path, str(exc), _key_line(section, "policy")) from None
+
+
+def _parse_replay(ctx: _Context, data: _LineMap) -> ReplaySettings:
+    replay: ReplaySettings = _parse_section(ctx, data, "replay")
+    if replay.trace in BUILTIN_TRACES:
+        return replay
+    if not replay.trace.endswith(".jsonl"):
+        raise ctx.error(
+            "replay.trace",
+            f"{replay.trace!r} is neither a built-in trace ({', '.join(BUILTIN_TRACES)}) nor a "
+            "path to a .jsonl file",
+            _key_line(data.get("replay"), "trace"),
+        )
+    trace_path = Path(replay.trace).expanduser()
+    return dataclasses.replace(replay, trace=str(ctx.base_dir / trace_path))
+
+
+def _parse_tiers(ctx: _Context, data: _LineMap) -> tuple[TierConfig, ...]:
+    items = data.get("secondary_tiers")
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise ctx.error(
+            "secondary_tiers",
+            f"must be a list of tiers, got {type(items).__name__}: {items!r:.60}",
+            _key_line(data, "secondary_tiers"),
+        )
+    tiers: list[TierConfig] = []
+    names: dict[str, int] = {}
+    paths: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        path = f"secondary_tiers[{index}]"
+        lines = getattr(items, "item_lines", [])
+        line = lines[index] if index < len(lines) else _line_of(items)
+        tier = _parse_tier(ctx, item, path, line)
+        other = names.setdefault(tier.env_name, index)
+        if other != index:
+            raise ctx.error(
+                f"{path}.name",
+                f"duplicate tier name {tier.name!r} (also secondary_tiers[{other}]); tier "
+                "names must be unique (ignoring case, '-' equals '_'); set 'name' on one",
+                _key_line(item, "name"),
+            )
+        if tier.path is not None:
+            other = paths.setdefault(tier.path, index)
+            if other != index:
+                raise ctx.error(
+                    f"{path}.path",
+                    f"{str(tier.path)!r} is also the path of secondary_tiers[{other}]; each "
+                    "tier needs a directory of its own",
+                    _key_line(item, "path"),
+                )
+        tiers.append(tier)
+    return tuple(tiers)
+
+
+def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> TierConfig:
+    if not isinstance(item, Mapping):
+        raise ctx.error(
+            path, f"a tier must be a mapping (type, capacity, ...), got {item!r:.60}", line
+        )
+    if "type" not in item:
+        raise ctx.error(
+            f"{path}.type",
+            f"missing; give a backend name ({', '.join(BUILTIN_BACKENDS)}, ...) or 'module:Class'",
+            line,
+        )
+    try:
+        entry = get_backend(item["type"])
+    except ConfigurationError as exc:
+        raise ctx.error(f"{path}.type", str(exc), _key_line(item, "type")) from None
+    name = _parse_tier_name(ctx, item, path, entry)
+    generic = {k: v for k, v in item.items() if k in _TIER_KEYS}
+    keys: _TierKeys = _parse_mapping(ctx, _with_lines(item, generic), path, _TierKeys, line)
+    _check_policy(ctx, keys.policy, f"{path}.policy", item)
+    backend_keys = {k: v for k, v in item.items() if k not in GENERIC_TIER_KEYS}
+    settings = _parse_mapping(
+        ctx,
+        _with_lines(item, backend_keys),
+        path,
+        entry.settings_class,
+        line,
+        other_keys=GENERIC_TIER_KEYS,
+    )
+    return TierConfig(
+        name=name,
+        type=item["type"],
+        capacity_bytes=keys.capacity_bytes,
+        path=_parse_tier_path(ctx, item, path, entry),
+        policy=keys.policy,
+        write_policy=WritePolicy(keys.write_policy),
+        selective_min_lookups=keys.selective_min_lookups,
+        max_inflight_jobs=keys.max_inflight_jobs,
+        quarantine_seconds=keys.quarantine_seconds,
+        settings=settings,
+    )
+
+
+_TIER_KEYS = frozenset(f.key for f in settings_fields(_TierKeys))
+
+
+def _with_lines(original: Mapping[str, Any], subset: dict[str, Any]) -> _LineMap:
+    out = _LineMap(_line_of(original))
+    out.update(subset)
+    lines = getattr(original, "key_lines", {})
+    out.key_lines.update({k: lines[k] for k in subset if k in lines})
+    return out
+
+
+def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry) -> str:
+    name = item.get("name")
+    if name is None:
+        name = _default_tier_name(item) or entry.name
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise ctx.error(
+            f"{path}.name",
+            f"{name!r} is not a valid tier name: a letter followed by up to 63 letters, digits, "
+            "'_' or '-'",
+            _key_line(item, "name"),
+        )
+    return name
+
+
+def _parse_tier_path(
+    ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry
+) -> Path | None:
+    line = _key_line(item, "path")
+    if not entry.accepts_path:
+        if "path" in item:
+            raise ctx.error(f"{path}.path", f"the {entry.name!r} backend takes no path", line)
+        return None
+    raw = item.get("path")
+    if raw is None:
+        raise ctx.error(
+            f"{path}.path",
+            f"missing; the {entry.name!r} backend keeps its data in a directory: give one "
+            f"(relative paths are taken from {str(ctx.base_dir)!r})",
+            _line_of(item),
+        )
+    if not isinstance(raw, str) or not raw.strip():
+        raise ctx.error(f"{path}.path", f"{raw!r} is not valid: give a directory path", line)
+    directory = Path(os.path.normpath(ctx.base_dir / Path(raw).expanduser()))
+    problem = _directory_problem(directory)
+    if problem:
+        raise ctx.error(f"{path}.path", f"{raw!r}: {problem}", line)
+    return directory
+
+
+def _directory_problem(directory: Path) -> str | None:
+    """Why ``directory`` cannot be used or created by this user (None if it can)."""
+    try:
+        if directory.exists():
+            if not directory.is_dir():
+                return f"{str(directory)!r} exists and is not a directory"
+            if not os.access(directory, os.W_OK | os.X_OK):
+                return f"directory {str(directory)!r} is not writable by this user"
+            return None
+        parent = directory.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as exc:
+        return f"cannot inspect {str(directory)!r}: {exc.strerror or exc}"
+    if not parent.is_dir():
+        return f"cannot create {str(directory)!r}: {str(parent)!r} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {str(directory)!r}: {str(parent)!r} is not writable by this user"
+    return None
+
+
+def _check_model(ctx: _Context, data: _LineMap, config: TieringConfig) -> None:
+    """Checks that need the model: the model shape, hash block size and block-sized budgets."""
+    model = data["model"]
+    try:
+        shape = config.model_shape()
+    except ConfigurationError as exc:
+        raise ctx.error("model.shape", str(exc), _key_line(model, "shape")) from None
+    try:
+        config.kv_cache_spec()
+    except ConfigurationError as exc:
+        raise ctx.error(
+            "hashing.hash_block_size", str(exc), _key_line(data.get("hashing"), "hash_block_size")
+        ) from None
+    block_bytes = config.block_bytes()
+    budgets = [("primary.capacity", config.primary.capacity_bytes, data["primary"])]
+    budgets += [
+        (f"secondary_tiers[{i}].capacity", tier.capacity_bytes, data["secondary_tiers"][i])
+        for i, tier in enumerate(config.secondary_tiers)
+    ]
+    for path, capacity_bytes, section in budgets:
+        if capacity_bytes < block_bytes:
+            raise ctx.error(
+                path,
+                f"{format_size(capacity_bytes)} holds no block of model {shape.name!r} "
+                f"({format_size(block_bytes)} each); give at least {format_size(block_bytes)}",
+                _key_line(section, "capacity"),
+            )
+
+
+def _warn_about_small_tiers(ctx: _Context, config: TieringConfig) -> None:
+    stacklevel, frame = 1, sys._getframe()
+    while frame.f_back is not None and frame.f_globals.get("__name__") == __name__:
+        frame, stacklevel = frame.f_back, stacklevel + 1  # point at the caller of this module
+    for index, tier in enumerate(config.secondary_tiers):
+        if (
+            tier.write_policy is WritePolicy.WRITE_THROUGH
+            and tier.capacity_bytes < config.primary.capacity_bytes
+        ):
+            warnings.warn(
+                f"{ctx.source}: secondary_tiers[{index}] ({tier.name!r}): capacity "
+                f"{format_size(tier.capacity_bytes)} is smaller than the primary's "
+                f"{format_size(config.primary.capacity_bytes)} under write_through, so it "
+                "holds mostly blocks the primary holds too and will rarely serve a hit; make "
+                "it larger or use write_back",
+                ConfigWarning,
+                stacklevel=stacklevel,
+            )
+
+
+# -- JSON schema -------------------------------------------------------------------------------
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a config file, with the built-in backends' keys.
+
+    Deterministic: it depends on the built-ins only, not on installed plugins. A tier whose
+    ``type`` is not built-in is checked for its generic keys only.
+    """
+    model = _section_schema(ModelConfig)
+    model["properties"]["shape"]["enum"] = sorted(MODEL_SHAPES)
+    replay = _section_schema(ReplaySettings)
+    replay["properties"]["scale"]["enum"] = list(SCALES)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"tiering configuration (version {CONFIG_VERSION})",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["version", "primary"],
+        "properties": {
+            "version": {"const": CONFIG_VERSION},
+            "model": model,
+            "hashing": _section_schema(HashingConfig),
+            "block_size_factor": {"type": "integer", "minimum": 1, "default": 1},
+            "primary": _section_schema(PrimaryConfig),
+            "secondary_tiers": {
+                "type": "array",
+                "description": "ordered: looked up in this order",
+                "items": {"oneOf": [*map(_builtin_tier_schema, BUILTIN_BACKENDS), _plugin_tier()]},
+            },
+            "events": _section_schema(EventsConfig),
+            "metrics": _section_schema(MetricsConfig),
+            "replay": replay,
+        },
+        "$defs": {"size": SIZE_JSON_SCHEMA},
+    }
+
+
+def _section_schema(cls: type) -> dict[str, Any]:
+    fields = settings_fields(cls)
+    schema: dict[str, Any] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {f.key: field_json_schema(f) for f in fields},
+    }
+    required = [f.key for f in fields if f.required]
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _generic_tier_properties() -> dict[str, Any]:
+    return {
+        "name": {"type": "string", "pattern": f"^{NAME_PATTERN}$"},
+        "type": {"type": "string"},
+        **_section_schema(_TierKeys)["properties"],
+    }
+
+
+def _builtin_tier_schema(name: str) -> dict[str, Any]:
+    entry = get_backend(name)
+    properties = _generic_tier_properties()
+    properties["type"] = {"const": name}
+    required = ["type", "capacity"]
+    if entry.accepts_path:
+        properties["path"] = {"type": "string", "minLength": 1}
+        required.append("path")
+    properties.update({f.key: field_json_schema(f) for f in entry.settings_fields()})
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": required,
+        "properties": properties,
+    }
+
+
+def _plugin_tier() -> dict[str, Any]:
+    properties = _generic_tier_properties()
+    properties["type"] = {"type": "string", "not": {"enum": list(BUILTIN_BACKENDS)}}
+    return {
+        "type": "object",
+        "description": "a plugin backend: its own keys are checked by its settings class",
+        "required": ["type", "capacity"],
+        "properties": properties,
+    }
+
+
+# -- building ----------------------------------------------------------------------------------
+
+
+def build_backend(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> StorageBackend:
+    """The tier's backend, constructed but not opened: validates its settings, does no I/O
+    (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them."""
+    return _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint)
+
+
+def build_tier(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> SecondaryTier:
+    """A :class:`SecondaryTier` over :func:`build_backend`'s backend."""
+    return _wrap_tier(tier, build_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint))
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What every tier of a config stores: blocks of ``block_bytes`` under ``fingerprint``."""
+
+    block_bytes: int  # one offloaded block over all ranks (one CPU pool row)
+    fingerprint: bytes
+
+
+def layout_for_config(config: TieringConfig) -> BlockLayout:
+    """The block size and layout fingerprint ``config.model`` gives (:class:`ConfigError`
+    if the config has no model)."""
+    return BlockLayout(config.block_bytes(), config.fingerprint())
+
+
+def build_pool(config: TieringConfig, *, block_bytes: int | None = None) -> CPUBlockPool:
+    """The primary tier's CPU pool: ``primary.capacity // block_bytes`` rows of ``block_bytes``
+    (split over ``model.world_size`` ranks); memory is pinned when CUDA is available."""
+    if block_bytes is None:
+        block_bytes = config.block_bytes()
+    world_size = config.model.world_size if config.model is not None else 1
+    if block_bytes % world_size:
+        raise ConfigError(
+            f"{config.source}: block_bytes={block_bytes} is not a multiple of "
+            f"model.world_size={world_size}"
+        )
+    return CPUBlockPool(
+        config.num_cpu_blocks(block_bytes), block_bytes // world_size, world_size=world_size
+    )
+
+
+def build_manager(
+    config: TieringConfig,
+    *,
+    block_bytes: int | None = None,
+    fingerprint: bytes | None = None,
+    pool: Any = None,
+) -> TieringOffloadingManager:
+    """A running manager: the CPU primary tier plus every secondary tier, in order.
+
+    ``block_bytes`` (one offloaded block over all ranks: a pool row, what each tier stores) and
+    ``fingerprint`` default to the ones ``config.model`` gives. ``pool`` (a
+    :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
+    directories are created here; tiers open in the background (call ``wait_ready()`` to wait
+    and surface open errors). Raises :class:`ConfigError` before creating anything if a tier
+    cannot be built.
+    """
+    if block_bytes is None:
+        block_bytes = config.block_bytes()
+    if fingerprint is None:
+        fingerprint = config.fingerprint()
+    num_blocks = config.num_cpu_blocks(block_bytes)
+    backends = [
+        _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint, config=config)
+        for tier in config.secondary_tiers
+    ]
+    tiers = [_wrap_tier(t, b) for t, b in zip(config.secondary_tiers, backends, strict=True)]
+    for tier in config.secondary_tiers:
+        _make_directory(tier)
+    if pool is None:
+        pool = build_pool(config, block_bytes=block_bytes)
+    primary = CPUOffloadingManager(num_blocks, config.primary.policy, config.events.enabled)
+    return TieringOffloadingManager(primary, tiers, pool=pool, enable_events=config.events.enabled)
+
+
+def _create_backend(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    config: TieringConfig | None = None,
+) -> StorageBackend:
+    where = f"tier {tier.name!r} ({tier.type})"
+    if config is not None:
+        index = config.secondary_tiers.index(tier)
+        where = f"{config.source}: secondary_tiers[{index}] ({tier.name!r})"
+    try:
+        return get_backend(tier.type).create(
+            path=tier.path,
+            capacity_bytes=tier.capacity_bytes,
+            block_bytes=block_bytes,
+            fingerprint=fingerprint,
+            settings=tier.settings,
+        )
+    except (ConfigurationError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _wrap_tier(tier: TierConfig, backend: StorageBackend) -> SecondaryTier:
+    return SecondaryTier(
+        backend,
+        name=tier.name,
+        policy=tier.policy,
+        write_policy=tier.write_policy,
+        selective_min_lookups=tier.selective_min_lookups,
+        max_inflight_jobs=tier.max_inflight_jobs,
+        quarantine_seconds=tier.quarantine_seconds,
+    )
+
+
+def _make_directory(tier: TierConfig) -> None:
+    if tier.path is None:
+        return
+    try:
+        os.makedirs(tier.path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"tier {tier.name!r}: cannot create directory {str(tier.path)!r}: {exc.strerror or exc}"
+        ) from exc
