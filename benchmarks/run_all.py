@@ -1,0 +1,158 @@
+"""Run every benchmark and write docs/benchmarks.md (``make bench``).
+
+Each benchmark measures its own physical limit in the same run (raw memcpy, raw batched
+``pwritev``/``preadv``, raw py-lmdb, raw hashlib, a bare OrderedDict) and reports ratios against
+it, so the figures only compare numbers taken minutes apart on the same machine. One torch
+thread throughout.
+
+Usage: python benchmarks/run_all.py [--quick] [--out docs/benchmarks.md] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import io
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+#: (module, title, what it answers, extra arguments)
+BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    (
+        "bench_cpu_copy",
+        "CPU pool copies against memcpy",
+        "Stores and loads between registered KV tensors and the CPU pool (target: 0.8 of "
+        "memcpy or better for blocks of 256 KiB and more).",
+        (),
+    ),
+    (
+        "bench_file_tier",
+        "File tier against raw batched pwritev/preadv",
+        "FileBackend puts and cold gets from and into pool rows, against raw batched "
+        "pwritev/preadv (and O_DIRECT) on the same file (target: 0.8 or better).",
+        (),
+    ),
+    (
+        "bench_lmdb_tier",
+        "LMDB tier against raw py-lmdb",
+        "LMDBBackend puts and gets against raw py-lmdb puts and zero-copy gets with the same "
+        "flags (target: 0.8 or better).",
+        (),
+    ),
+    (
+        "bench_metadata",
+        "Manager metadata per operation, 1e3 to 1e6 blocks",
+        "Microseconds per stored block (eviction included) and per lookup, and their growth "
+        "(targets: 2 us per stored block, 0.5 us per lookup, growth 2x or less).",
+        (),
+    ),
+    (
+        "bench_eviction",
+        "Eviction with pinned heads at 1e5 blocks",
+        "Microseconds per victim when the oldest half of 100,000 blocks is pinned, against a "
+        "scan past pinned blocks (vLLM's approach).",
+        (),
+    ),
+    (
+        "bench_hashing",
+        "Prefix hashing against hashlib",
+        "Microseconds per hash block against hashlib's SHA-256 (and xxh3) over the same bytes "
+        "(target: 1.5x or less for 256-token blocks from an array).",
+        (),
+    ),
+    (
+        "bench_event_loop",
+        "Event-loop lag while the tiers run at full speed",
+        "Heartbeat lag of the caller's loop and the manager's I/O loop (target: p99 5 ms or less).",
+        (),
+    ),
+)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kib / 2**20:.0f} GiB RAM"
+    return (
+        f"{os.cpu_count()} CPUs ({cpu}){mem}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
+    )
+
+
+def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, float]]:
+    sys.path.insert(0, str(HERE))
+    results = []
+    for module_name, title, about, extra in BENCHMARKS:
+        if names and module_name not in names:
+            continue
+        args = [*extra, *(["--quick"] if quick else [])]
+        command = " ".join(["python", f"benchmarks/{module_name}.py", *args])
+        print(f"== {command}", file=sys.stderr, flush=True)
+        module = importlib.import_module(module_name)
+        buffer = io.StringIO()
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(buffer):
+            module.main(args)
+        elapsed = time.perf_counter() - started
+        sys.stderr.write(buffer.getvalue())
+        results.append((title, about, command, buffer.getvalue().strip(), elapsed))
+    return results
+
+
+def write_markdown(
+    path: Path, results: list[tuple[str, str, str, str, float]], quick: bool
+) -> None:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python benchmarks/run_all.py"
+        + (" --quick" if quick else "")
+        + " --out docs/benchmarks.md`). Every table compares the library with the physical",
+        "limit measured in the same run, on the same machine, with one torch thread: only",
+        "those ratios mean anything (absolute GB/s on a shared 2-core VM move from run to run).",
+        "Each section names the command that reproduces it alone.",
+        "",
+        f"Run on {today}: {_machine()}.",
+        "",
+    ]
+    for title, about, command, output, elapsed in results:
+        lines += [f"## {title}", "", about, "", f"Command: `{command}` ({elapsed:.0f} s)", ""]
+        lines += [output, ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short runs of every benchmark")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    parser.add_argument("--only", nargs="*", default=[], help="benchmark module names")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = run(args.only, args.quick)
+    if args.only and args.out.exists():
+        print("--only given: not rewriting the whole report", file=sys.stderr)
+        return
+    write_markdown(args.out, results, args.quick)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
