@@ -157,11 +157,9 @@ class TieringOffloadingManager:
 
     def _process_finished(self) -> None:
         """Apply the results of finished jobs, on the caller's thread."""
-        while True:
-            try:
-                on_done, job = self._finished.get_nowait()
-            except queue.Empty:
-                break
+        finished = self._finished
+        while not finished.empty():  # cheap when idle: no exception per protocol call
+            on_done, job = finished.get_nowait()
             self._jobs.discard(job)
             if job.kind in ("promote", "store", "write_back"):
                 self.tiers[job.tier_index].inflight_jobs -= 1
@@ -170,13 +168,15 @@ class TieringOffloadingManager:
             except BaseException as exc:  # the coroutines never raise; be safe anyway
                 result = exc
             on_done(result)
-        # Promotions that waited for a free job slot go now.
-        for index in list(self._waiting_promotions):
-            if self.tiers[index].has_capacity_for_job:
-                self._start_promotion(index, self._waiting_promotions.pop(index))
+        if self._waiting_promotions:
+            # Promotions that waited for a free job slot go now.
+            for index in list(self._waiting_promotions):
+                if self.tiers[index].has_capacity_for_job:
+                    self._start_promotion(index, self._waiting_promotions.pop(index))
 
     def _begin_call(self, request: object = None) -> None:
-        self._check_open()
+        if self._closed:
+            raise TieringError("the manager is shut down")
         self._process_finished()
         if self._batch and request is not self._batch_request:
             self._flush_promotions()

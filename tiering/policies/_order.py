@@ -132,18 +132,23 @@ class RecencyOrder:
 
     def set_evictable(self, key: bytes, evictable: bool) -> bool:
         """Allow or forbid evicting ``key``; return whether it was present."""
-        if key not in self:
-            return False
+        pinned = self._pinned
         if evictable:
-            self._pinned.discard(key)
+            if key not in pinned:  # already evictable, or absent
+                return key in self
+            pinned.remove(key)
             stamp = self._parked.pop(key, None)
             if stamp is not None:
                 self._release(key, stamp)
-        else:
-            self._pinned.add(key)
-            stamp = self._released.pop(key, None)
-            if stamp is not None:
-                self._parked[key] = stamp
+            return True
+        if key in pinned:
+            return True
+        if key not in self:
+            return False
+        pinned.add(key)
+        stamp = self._released.pop(key, None)
+        if stamp is not None:
+            self._parked[key] = stamp
         return True
 
     def pop_oldest(self, protected: Container[bytes]) -> bytes | None:
