@@ -611,6 +611,19 @@ async def test_invalid_keys(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_no_reference_to_caller_buffers_survives_a_call(tmp_path: Path) -> None:
+    """A bytearray with a live buffer export cannot be resized: resizing proves none is left."""
+    value = bytearray(random.Random(16).randbytes(BLOCK))
+    out = bytearray(BLOCK)
+    async with backend_at(tmp_path / "db") as backend:
+        assert await backend.put(keys_for(1), [value]) == [OK]  # type: ignore[list-item]
+        value.append(0)
+        assert await backend.get(keys_for(1), [out]) == [OK]  # type: ignore[list-item]
+        out.append(0)
+        assert out[:BLOCK] == value[:BLOCK]
+
+
+@pytest.mark.asyncio
 async def test_queued_puts_are_coalesced_into_one_transaction(tmp_path: Path) -> None:
     size = 256 << 10
     backend = backend_at(tmp_path / "db", blocks=80, size=size, max_txn_bytes=16 * 65 * PAGE)

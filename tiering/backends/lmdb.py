@@ -786,16 +786,25 @@ class LMDBBackend(StorageBackend):
                     break
                 group.append(nxt)
                 puts += len(nxt.keys) if nxt.kind == "put" else 0
-            group = [job for job in group if job.future.set_running_or_notify_cancel()]
+            running = []
+            for job in group:
+                if job.future.set_running_or_notify_cancel():
+                    running.append(job)
+                else:
+                    job.values = None  # cancelled before it started: never written
+            group = running
+            error: BaseException | None = None
             try:
                 self._run_group(group)
             except BaseException as exc:  # a bug: fail the batch, keep the writer alive
                 _log.exception("LMDB writer failed at %s", self.path)
-                for job in group:
-                    job.future.set_exception(BackendError(f"LMDB writer failed: {exc!r}"))
-            else:
-                for job in group:
+                error = exc
+            for job in group:
+                job.values = None  # keep no reference to the caller's buffers
+                if error is None:
                     job.future.set_result(job.results)
+                else:
+                    job.future.set_exception(BackendError(f"LMDB writer failed: {error!r}"))
             if time.monotonic() - self._last_reader_check > _READER_CHECK_INTERVAL_S:
                 assert self._env is not None
                 with contextlib.suppress(lmdb.Error):

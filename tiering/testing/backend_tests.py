@@ -256,6 +256,29 @@ class BackendTests:
             await self.assert_stored(backend, keys, [memoryview(v) for v in raw])
 
     @pytest.mark.asyncio
+    async def test_keeps_no_reference_to_caller_buffers(self, tmp_path: Path) -> None:
+        """After put/get return, the caller can release and resize its buffers."""
+        keys = self.make_keys(3)
+        rng = random.Random(30)
+        sources = [bytearray(rng.randbytes(self.block_bytes)) for _ in keys]
+        targets = [bytearray(self.block_bytes) for _ in keys]
+        async with self.new_backend(tmp_path) as backend:
+            views = [memoryview(b) for b in sources]
+            assert await backend.put(keys, views) == [OK] * 3
+            for view in views:
+                view.release()  # raises BufferError if the backend still exports from it
+            views = [memoryview(b) for b in targets]
+            absent = self.make_keys(1, "absent")
+            assert await backend.get([*keys, *absent], [*views, views[0]]) == [OK] * 3 + [MISSING]
+            for view in views:
+                view.release()
+            for buffer in sources + targets:
+                buffer.extend(b"resizable")  # BufferError while any export is alive
+            assert [bytes(t[: self.block_bytes]) for t in targets] == [
+                bytes(s[: self.block_bytes]) for s in sources
+            ]
+
+    @pytest.mark.asyncio
     async def test_empty_batches(self, tmp_path: Path) -> None:
         async with self.new_backend(tmp_path) as backend:
             assert await backend.put([], []) == []
