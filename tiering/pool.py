@@ -297,9 +297,7 @@ def _allocate_rows(
         # An anonymous mapping is page-aligned, so rows of whole pages suit O_DIRECT tiers
         # with no bounce buffer (torch's allocator aligns to 64 bytes only). The tensor keeps
         # the mapping alive; it is released with the last view.
-        region = mmap.mmap(
-            -1, num_blocks * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
+        region = mmap.mmap(-1, num_blocks * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         rows = torch.frombuffer(region, dtype=torch.uint8, count=num_blocks * row_bytes)
         rows = rows.view(num_blocks, row_bytes)
     rows.zero_()  # first touch now, not during the first copy
