@@ -4,8 +4,10 @@ It runs in an engine's scheduler process and holds metadata only: which key is i
 the CPU pool, which blocks are being written or read, and the eviction order. The bytes live in a
 :class:`tiering.pool.CPUBlockPool` that workers copy into and out of. No call blocks or does I/O.
 
-Block states (one integer per block, as in vLLM): ``-1`` written but not ready, ``0`` ready,
-``n > 0`` ready and pinned by ``n`` loads. Only ready, unpinned blocks may be evicted.
+Block states: a block is *not ready* while it is written, then *ready*, and a ready block may be
+*pinned* by loads. Only ready, unpinned blocks may be evicted. The state is kept in flat maps
+(key -> slot, key -> pin count, the set of keys not ready) rather than one object per block:
+a lookup is then a single probe of a dict plus one of a small set.
 """
 
 from __future__ import annotations
@@ -21,16 +23,6 @@ from tiering.policies import EvictionPolicy, make_policy
 from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 __all__ = ["CPUOffloadingManager"]
-
-_NOT_READY: Final = -1
-
-
-class _Block:
-    __slots__ = ("ref_cnt", "slot")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.ref_cnt = _NOT_READY
 
 
 class CPUOffloadingManager:
@@ -64,7 +56,9 @@ class CPUOffloadingManager:
             self._policy = make_policy(policy, num_blocks)
         self.num_blocks = num_blocks
         self.enable_events = enable_events
-        self._blocks: dict[OffloadKey, _Block] = {}
+        self._slots: dict[OffloadKey, int] = {}  # every held key
+        self._not_ready: set[OffloadKey] = set()  # being written
+        self._pins: dict[OffloadKey, int] = {}  # ready keys pinned by loads (count > 0)
         self._next_fresh_slot = 0
         self._freed_slots: list[int] = []  # a stack: most recently freed on top
         self._events: list[OffloadingEvent] = []
@@ -82,34 +76,32 @@ class CPUOffloadingManager:
         return self.num_blocks - self._next_fresh_slot + len(self._freed_slots)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._slots)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._blocks
+        return key in self._slots
 
     def slot_of(self, key: OffloadKey) -> int | None:
-        block = self._blocks.get(key)
-        return None if block is None else block.slot
+        return self._slots.get(key)
 
     # -- lookups ------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> bool | None:
         """True if stored and ready, False if absent, None while being written (retry later)."""
-        block = self._blocks.get(key)
-        if block is None:
-            if type(key) is not bytes:
-                check_keys([key])
-            return False
-        return None if block.ref_cnt == _NOT_READY else True
+        if key in self._slots:
+            return None if key in self._not_ready else True
+        if type(key) is not bytes:
+            check_keys([key])
+        return False
 
     def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int | None:
         """The number of leading keys stored and ready; None if the first non-hit is in flight."""
         count = 0
+        slots, not_ready = self._slots, self._not_ready
         for key in check_keys(keys):
-            block = self._blocks.get(key)
-            if block is None:
+            if key not in slots:
                 return count
-            if block.ref_cnt == _NOT_READY:
+            if key in not_ready:
                 return None
             count += 1
         return count
@@ -122,17 +114,19 @@ class CPUOffloadingManager:
         Raises ProtocolError, changing nothing, if a key is absent or not ready.
         """
         key_list = check_keys(keys)
-        blocks = []
+        slots = self._slots
         for key in key_list:
-            block = self._blocks.get(key)
-            if block is None:
+            if key not in slots:
                 raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
-            if block.ref_cnt == _NOT_READY:
+            if key in self._not_ready:
                 raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
-            blocks.append(block)
-        for key, block in zip(key_list, blocks, strict=True):
-            self._pin(key, block)
-        return LoadStoreSpec(self.medium, np.fromiter((b.slot for b in blocks), np.int64))
+        pins = self._pins
+        for key in key_list:
+            count = pins.get(key, 0)
+            if count == 0:
+                self._policy.set_evictable(key, False)
+            pins[key] = count + 1
+        return LoadStoreSpec(self.medium, np.fromiter((slots[k] for k in key_list), np.int64))
 
     def complete_load(self, keys: Collection[OffloadKey]) -> None:
         """Unpin keys pinned by :meth:`prepare_load`. Raises ProtocolError, changing nothing, if a
@@ -141,26 +135,21 @@ class CPUOffloadingManager:
         wanted: dict[OffloadKey, int] = {}
         for key in key_list:
             wanted[key] = wanted.get(key, 0) + 1
+        pins = self._pins
         for key, times in wanted.items():
-            block = self._blocks.get(key)
-            if block is None or block.ref_cnt < times:
-                pinned = 0 if block is None else max(block.ref_cnt, 0)
+            pinned = pins.get(key, 0)
+            if pinned < times:
                 raise ProtocolError(
                     f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
                     "were prepared"
                 )
-        for key in key_list:
-            self._unpin(key, self._blocks[key])
-
-    def _pin(self, key: OffloadKey, block: _Block) -> None:
-        if block.ref_cnt == 0:
-            self._policy.set_evictable(key, False)
-        block.ref_cnt += 1
-
-    def _unpin(self, key: OffloadKey, block: _Block) -> None:
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            self._policy.set_evictable(key, True)
+        for key, times in wanted.items():
+            left = pins[key] - times
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+                self._policy.set_evictable(key, True)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Mark keys as most recently used; the first key ends most recent. Absent keys are
@@ -177,7 +166,8 @@ class CPUOffloadingManager:
         request is protected from eviction, including those already stored.
         """
         key_list = check_keys(keys)
-        to_store = [k for k in dict.fromkeys(key_list) if k not in self._blocks]
+        slots_of = self._slots
+        to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
         if len(to_store) > self.num_blocks:
@@ -191,7 +181,7 @@ class CPUOffloadingManager:
             freed: list[tuple[OffloadKey, int]] = []
             for victim in victims:
                 victim_key = OffloadKey(victim)
-                freed.append((victim_key, self._blocks.pop(victim_key).slot))
+                freed.append((victim_key, slots_of.pop(victim_key)))
                 evicted.append(victim_key)
             retained = self._eviction_hook(freed) if self._eviction_hook else set()
             for _, slot in freed:
@@ -202,10 +192,10 @@ class CPUOffloadingManager:
                 # Write-back: some victims keep their slots until a lower tier has them.
                 return None
         slots = self._allocate_slots(len(to_store))
-        blocks = self._blocks
+        slots_of.update(zip(to_store, slots, strict=True))
+        self._not_ready.update(to_store)
         insert = self._policy.insert
-        for key, slot in zip(to_store, slots, strict=True):
-            blocks[key] = _Block(slot)
+        for key in to_store:
             insert(key, False)
         spec = LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64))
         return PrepareStoreOutput(to_store, spec, evicted)
@@ -214,19 +204,17 @@ class CPUOffloadingManager:
         """Finish a store: make the written keys ready, or on failure drop those still not
         ready and free their slots. Keys unknown or already ready are left alone."""
         done: list[OffloadKey] = []
-        blocks = self._blocks
-        set_evictable = self._policy.set_evictable
+        not_ready = self._not_ready
+        policy = self._policy
         for key in check_keys(keys):
-            block = blocks.get(key)
-            if block is None or block.ref_cnt != _NOT_READY:
+            if key not in not_ready:  # unknown, or already ready
                 continue
+            not_ready.remove(key)
             if success:
-                block.ref_cnt = 0
-                set_evictable(key, True)
+                policy.set_evictable(key, True)
             else:
-                del self._blocks[key]
-                self._policy.remove(key)
-                self._free_slot(block.slot)
+                policy.remove(key)
+                self._free_slot(self._slots.pop(key))
             done.append(key)
         if success:
             self._emit(done, removed=False)
@@ -274,8 +262,10 @@ class CPUOffloadingManager:
 
     def reset_cache(self) -> None:
         """Drop every block, pinned or in flight included, and all policy history."""
-        self._emit(list(self._blocks), removed=True)
-        self._blocks.clear()
+        self._emit(list(self._slots), removed=True)
+        self._slots.clear()
+        self._not_ready.clear()
+        self._pins.clear()
         self._policy.clear()
         self._next_fresh_slot = 0
         self._freed_slots.clear()
@@ -284,5 +274,7 @@ class CPUOffloadingManager:
         """Release everything. The manager holds no resources but memory; idempotent."""
         if not self._closed:
             self._closed = True
-            self._blocks.clear()
+            self._slots.clear()
+            self._not_ready.clear()
+            self._pins.clear()
             self._policy.clear()
