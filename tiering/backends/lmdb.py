@@ -96,6 +96,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import logging
 import math
 import mmap
@@ -224,8 +225,21 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def _byte_view(buf: object, nbytes: int, what: str, *, writable: bool) -> memoryview:
-    """``buf`` as a flat, C-contiguous uint8 memoryview of exactly ``nbytes``, or ValueError."""
+def _byte_view(buf: object, nbytes: int, kind: str, index: int, *, writable: bool) -> memoryview:
+    """``buf`` as a flat, C-contiguous uint8 memoryview of exactly ``nbytes``, or ValueError.
+
+    ``kind`` and ``index`` name the buffer in the error (``"value", 3`` -> "value 3").
+    """
+    if (  # the common case, checked in one go: a pool row's memoryview
+        type(buf) is memoryview
+        and buf.nbytes == nbytes
+        and buf.format == "B"
+        and buf.ndim == 1
+        and buf.c_contiguous
+        and not (writable and buf.readonly)
+    ):
+        return buf
+    what = f"{kind} {index}"
     try:
         view = buf if isinstance(buf, memoryview) else memoryview(cast(Any, buf))
     except TypeError:
@@ -262,6 +276,11 @@ def copy_and_checksum(dst: memoryview, src: memoryview) -> int:
         np.copyto(dst_array[start:stop], src_array[start:stop])
         state.update(dst[start:stop])
     return state.intdigest()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _wait_uncancellable(futures: Sequence[concurrent.futures.Future[_T]]) -> list[_T]:
@@ -599,7 +618,7 @@ class LMDBBackend(StorageBackend):
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
         views = [
-            _byte_view(v, self.block_bytes, f"value {i}", writable=False)
+            _byte_view(v, self.block_bytes, "value", i, writable=False)
             for i, v in enumerate(values)
         ]
         if not key_list:
@@ -618,7 +637,7 @@ class LMDBBackend(StorageBackend):
         if len(buffers) != len(key_list):
             raise ValueError(f"get got {len(key_list)} keys but {len(buffers)} buffers")
         views = [
-            _byte_view(b, self.block_bytes, f"buffer {i}", writable=True)
+            _byte_view(b, self.block_bytes, "buffer", i, writable=True)
             for i, b in enumerate(buffers)
         ]
         results = [Outcome.MISSING] * len(key_list)
@@ -628,11 +647,10 @@ class LMDBBackend(StorageBackend):
                 assert self._readers is not None
                 n_chunks = min(self.read_threads, len(stored))
                 chunks = [stored[c::n_chunks] for c in range(n_chunks)]
-                futures = [
-                    self._readers.submit(self._read_chunk, key_list, views, chunk)
-                    for chunk in chunks
-                ]
-                for chunk, outcomes in zip(chunks, await _wait_uncancellable(futures), strict=True):
+                read = functools.partial(self._read_chunk, key_list, views)
+                for chunk, outcomes in zip(
+                    chunks, await self._on_readers(read, chunks), strict=True
+                ):
                     for i, outcome in zip(chunk, outcomes, strict=True):
                         results[i] = outcome
             corrupt = [key_list[i] for i, r in enumerate(results) if r is Outcome.CORRUPT]
@@ -702,6 +720,60 @@ class LMDBBackend(StorageBackend):
         return results
 
     # -- read threads ----------------------------------------------------------------------------
+
+    async def _on_readers(
+        self, read: Callable[[list[int]], list[Outcome]], chunks: list[list[int]]
+    ) -> list[list[Outcome]]:
+        """``read(chunk)`` for every chunk, on the read threads; the results in order.
+
+        A get costs two thread wake-ups whatever its size, so this path is lean: the work is
+        submitted last, and only the chunk that finishes last wakes the event loop, once. If the
+        caller is cancelled, chunks that have not started are cancelled and running ones are
+        waited for (they write into the caller's buffers) before ``CancelledError`` propagates.
+        """
+        assert self._readers is not None
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        results: list[list[Outcome]] = [[] for _ in chunks]
+        errors: list[BaseException] = []
+        pending = len(chunks)
+        lock = threading.Lock()
+        # ``read`` holds the caller's buffers; the executor keeps a finished work item (and so
+        # ``run``) alive a little after the loop wakes, so the last chunk drops it first.
+        work = [read]
+
+        def finish_one() -> None:
+            nonlocal pending
+            with lock:
+                pending -= 1
+                last = not pending
+            if last:
+                work.clear()
+                loop.call_soon_threadsafe(_resolve, done)
+
+        def run(c: int) -> None:
+            try:
+                results[c] = work[0](chunks[c])
+            except BaseException as exc:  # a bug; re-raised on the loop
+                errors.append(exc)
+            finally:
+                finish_one()
+
+        futures = [self._readers.submit(run, c) for c in range(len(chunks))]
+        del read
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            for future in futures:
+                if future.cancel():  # never started: it will not call finish_one itself
+                    finish_one()
+            while not done.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(done)
+            raise
+        if errors:
+            raise errors[0]
+        return results
 
     def _read_chunk(
         self, keys: list[bytes], views: list[memoryview], indices: list[int]
