@@ -656,7 +656,7 @@ def _key_in_slot(slots_file: Path, slot: int) -> bytes:
 async def test_a_slot_being_read_is_not_reused(tmp_path: Path) -> None:
     k1, k2, k3 = make_keys(3)
     ops = GatedOps()
-    async with new_backend(tmp_path, file_ops=ops) as backend:
+    async with new_backend(tmp_path, file_ops=ops, io_threads=2) as backend:
         await backend.put([k1], views([payload(1)]))  # slot 0
         ops.arm("preadv")
         out = memoryview(bytearray(BLOCK))
@@ -684,7 +684,7 @@ async def test_corruption_found_after_a_concurrent_replace_keeps_the_new_value(
 ) -> None:
     (key,) = make_keys(1)
     ops = GatedOps()
-    async with new_backend(tmp_path, file_ops=ops) as backend:
+    async with new_backend(tmp_path, file_ops=ops, io_threads=2) as backend:
         await backend.put([key], views([payload(1)]))  # slot 0
         patch_file(backend.slots_path, HEADER_AREA_BYTES + 3, b"\x00\x01")
         ops.arm("preadv")
@@ -701,7 +701,7 @@ async def test_concurrent_puts_of_one_key_keep_the_later_started(tmp_path: Path)
     """Two puts of one key that finish out of order: memory and disk agree on the winner."""
     (key,) = make_keys(1)
     ops = GatedOps()
-    async with new_backend(tmp_path, file_ops=ops) as backend:
+    async with new_backend(tmp_path, file_ops=ops, io_threads=2) as backend:
         ops.arm("pwritev")
         first = asyncio.ensure_future(backend.put([key], views([payload(1)])))
         await ops.wait_entered()

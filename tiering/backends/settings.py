@@ -99,7 +99,7 @@ class FileSettings:
         metadata={"doc": "on open: verify every block, trust_header (check on read), or wipe"},
     )
     io_threads: int = field(
-        default=2, metadata={"min": 1, "max": 64, "doc": "threads of the backend's I/O pool"}
+        default=1, metadata={"min": 1, "max": 64, "doc": "threads of the backend's I/O pool"}
     )
     batch_blocks: int = field(
         default=16,
