@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tiering.errors import TieringError
-from tiering.groups import GroupKind, KVCacheSpec
+from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.layout import CanonicalKVCaches
 from tiering.pool import KVBlockCopier, PoolTransfer
@@ -48,6 +48,15 @@ class RequestResult:
     load_s: float
     store_s: float
     store_refused: bool
+
+
+def _window_engine_blocks(group: KVCacheGroup) -> int | None:
+    """Engine blocks a group keeps before the current position; None: all (full attention)."""
+    if group.kind is GroupKind.FULL_ATTENTION:
+        return None
+    if group.kind is GroupKind.MAMBA:
+        return 1
+    return math.ceil((group.sliding_window or 0) / group.block_size)
 
 
 class SimulatedEngine:
@@ -115,12 +124,8 @@ class SimulatedEngine:
         for g, group in enumerate(self.spec.groups):
             n = math.ceil(num_tokens / group.block_size)
             first_real = 0
-            if group.kind is not GroupKind.FULL_ATTENTION:
-                window_blocks = (
-                    1
-                    if group.kind is GroupKind.MAMBA
-                    else math.ceil((group.sliding_window or 0) / group.block_size)
-                )
+            window_blocks = _window_engine_blocks(group)
+            if window_blocks is not None:
                 first_real = min(max(0, n - window_blocks - 1), loaded_from[g])
             ids = [NULL_BLOCK_ID] * first_real + self._allocate(n - first_real)
             tables.append(ids)
@@ -128,15 +133,10 @@ class SimulatedEngine:
 
     def _drop_out_of_window(self, tables: list[list[int]], num_tokens: int) -> None:
         for g, group in enumerate(self.spec.groups):
-            if group.kind is GroupKind.FULL_ATTENTION:
+            window_blocks = _window_engine_blocks(group)
+            if window_blocks is None:
                 continue
-            n = len(tables[g])
-            window_blocks = (
-                1
-                if group.kind is GroupKind.MAMBA
-                else math.ceil((group.sliding_window or 0) / group.block_size)
-            )
-            for i in range(max(0, n - window_blocks - 1)):
+            for i in range(max(0, len(tables[g]) - window_blocks - 1)):
                 if tables[g][i] != NULL_BLOCK_ID:
                     self._free_blocks.append(tables[g][i])
                     tables[g][i] = NULL_BLOCK_ID
