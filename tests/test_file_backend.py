@@ -584,9 +584,11 @@ async def test_deleted_and_failed_keys_stay_gone_after_restart(tmp_path: Path) -
     ops = FaultyFileOps({"fdatasync": {2: errno.EIO}})
     options: dict[str, Any] = {"durability": "fsync", "batch_blocks": 2, "io_threads": 1}
     async with new_backend(tmp_path, file_ops=ops, **options) as backend:
-        # keys 2 and 3 are written in full, but their fdatasync fails: they must not come back
-        outcomes = await backend.put(keys, views([payload(i) for i in range(4)]))
-        assert outcomes == [OK, OK, FAILED, FAILED]
+        # keys 2 and 3 are written in full, but their put's fdatasync fails: they must not come
+        # back (a put syncs once, after all its writes)
+        assert await backend.put(keys[:2], views([payload(i) for i in range(2)])) == [OK, OK]
+        outcomes = await backend.put(keys[2:], views([payload(i) for i in range(2, 4)]))
+        assert outcomes == [FAILED, FAILED]
         assert await backend.delete(keys[:1]) == [True]
     recovered, outcomes, _, _ = await reopen_and_read(tmp_path, keys)
     assert recovered == [keys[1]]
@@ -696,6 +698,38 @@ async def test_corruption_found_after_a_concurrent_replace_keeps_the_new_value(
         assert await read(backend, [key]) == ([OK], [payload(2)])  # ...the new value is fine
 
 
+class CountingGatedOps(GatedOps):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes_done = 0
+
+    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
+        done = super().pwritev(fd, buffers, offset)
+        with self.lock:
+            self.writes_done += 1
+        return done
+
+
+@pytest.mark.asyncio
+async def test_a_held_write_does_not_hold_the_rest_of_its_put(tmp_path: Path) -> None:
+    """A put's chunks go to every I/O thread from one queue: while one thread is stuck in a
+    write, the other takes every remaining chunk."""
+    keys = make_keys(5)
+    ops = CountingGatedOps()
+    async with new_backend(tmp_path, file_ops=ops, io_threads=2, batch_blocks=1) as backend:
+        ops.arm("pwritev")
+        putting = asyncio.ensure_future(backend.put(keys, views([payload(i) for i in range(5)])))
+        await ops.wait_entered()
+        for _ in range(1000):
+            if ops.writes_done == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert ops.writes_done == 4 and not putting.done()
+        ops.open_gate()
+        assert await putting == [OK] * 5
+        assert await read(backend, keys) == ([OK] * 5, [payload(i) for i in range(5)])
+
+
 @pytest.mark.asyncio
 async def test_concurrent_puts_of_one_key_keep_the_later_started(tmp_path: Path) -> None:
     """Two puts of one key that finish out of order: memory and disk agree on the winner."""
@@ -753,9 +787,10 @@ async def test_fsync_error_fails_the_keys_it_covers_and_is_not_retried(tmp_path:
         "batch_blocks": 2,
     }
     async with new_backend(tmp_path, **options) as backend:
-        # Two tasks of two slots, each followed by one fdatasync; the second one fails.
-        outcomes = await backend.put(keys, views([payload(i) for i in range(4)]))
-        assert outcomes == [OK, OK, FAILED, FAILED]
+        # Two puts, each ending with one fdatasync; the second one fails.
+        assert await backend.put(keys[:2], views([payload(0), payload(1)])) == [OK, OK]
+        outcomes = await backend.put(keys[2:], views([payload(2), payload(3)]))
+        assert outcomes == [FAILED, FAILED]
         assert ops.fired == [("fdatasync", 2, errno.EIO)]
         assert await backend.contains(keys) == [True, True, False, False]
         assert backend.stats.extra["fsync_failures"] == 1
@@ -785,12 +820,50 @@ class OverlappingFsyncOps(FileOps):
             os.fdatasync(fd)
 
 
+class OrderRecordingOps(FileOps):
+    """Records the order of pwritev and fdatasync calls (from every I/O thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[str] = []
+
+    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
+        done = super().pwritev(fd, buffers, offset)
+        with self.lock:
+            self.calls.append("pwritev")
+        return done
+
+    def fdatasync(self, fd: int) -> None:
+        with self.lock:
+            self.calls.append("fdatasync")
+        super().fdatasync(fd)
+
+
 @pytest.mark.asyncio
-async def test_fsync_error_also_fails_a_task_whose_fsync_succeeded_meanwhile(
+async def test_a_durable_put_syncs_once_after_all_its_writes(tmp_path: Path) -> None:
+    ops = OrderRecordingOps()
+    options: dict[str, Any] = {
+        "file_ops": ops,
+        "durability": "fsync",
+        "io_threads": 3,
+        "batch_blocks": 1,
+    }
+    async with new_backend(tmp_path, **options) as backend:
+        ops.calls.clear()
+        assert await backend.put(make_keys(6), views([payload(i) for i in range(6)])) == [OK] * 6
+        assert ops.calls == ["pwritev"] * 6 + ["fdatasync"]
+        ops.calls.clear()
+        # nothing written, nothing to sync
+        assert await backend.put([], []) == []
+        assert ops.calls == []
+
+
+@pytest.mark.asyncio
+async def test_fsync_error_also_fails_a_put_whose_fsync_succeeded_meanwhile(
     tmp_path: Path,
 ) -> None:
-    """One fd is shared: a failed fsync may have dropped pages that another task wrote, and
-    that task's own fsync can then succeed. Its keys must fail too (never trust a retry)."""
+    """One fd is shared: a failed fsync may have dropped pages that another put wrote, and
+    that put's own fsync can then succeed. Its keys must fail too (never trust a retry)."""
     keys = make_keys(2)
     ops = OverlappingFsyncOps()
     options: dict[str, Any] = {
@@ -800,8 +873,10 @@ async def test_fsync_error_also_fails_a_task_whose_fsync_succeeded_meanwhile(
         "batch_blocks": 1,
     }
     async with new_backend(tmp_path, **options) as backend:
-        outcomes = await backend.put(keys, views([payload(0), payload(1)]))
-        assert outcomes == [FAILED, FAILED]
+        outcomes = await asyncio.gather(
+            backend.put(keys[:1], views([payload(0)])), backend.put(keys[1:], views([payload(1)]))
+        )
+        assert outcomes == [[FAILED], [FAILED]]
         assert await backend.contains(keys) == [False, False]
         assert backend.stats.extra["fsync_failures"] == 1
         assert await backend.put(keys, views([payload(0), payload(1)])) == [OK, OK]

@@ -99,11 +99,16 @@ class FileSettings:
         metadata={"doc": "on open: verify every block, trust_header (check on read), or wipe"},
     )
     io_threads: int = field(
-        default=1, metadata={"min": 1, "max": 64, "doc": "threads of the backend's I/O pool"}
+        default=2,
+        metadata={
+            "min": 1,
+            "max": 64,
+            "doc": "threads of the backend's I/O pool (a put uses all; a buffered get one)",
+        },
     )
     batch_blocks: int = field(
         default=16,
-        metadata={"min": 1, "max": 1024, "doc": "blocks per pwritev/preadv task"},
+        metadata={"min": 1, "max": 1024, "doc": "blocks per pwritev/preadv chunk"},
     )
 
     def __post_init__(self) -> None:
