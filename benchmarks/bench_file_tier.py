@@ -6,13 +6,14 @@ For each block size (256 KiB, 2 MiB) and each mode (buffered, O_DIRECT), each re
   preallocated buffer and one preallocated file (the fastest Python path in ``limits.md`` §3);
 - ours: ``FileBackend.put``/``get`` of the same blocks from / into rows of a preallocated torch
   uint8 pool (a memoryview of ``pool[i].numpy()``), with the backend's defaults (2 I/O
-  threads, 16 slots per task, payload checksums written and verified);
+  threads: a put's chunks go to both, a get reads on one; chunks of at most 16 slots;
+  payload checksums written and verified);
 - with O_DIRECT also ours from a pool that starts on a 4096-byte boundary (torch's allocator
   aligns to 64 bytes only, so a plain torch pool goes through the bounce buffer).
 
 "write" goes to the page cache (buffered, no fsync) or to the device (O_DIRECT); "durable
 write" (buffered only) is raw pwritev + one fdatasync vs ``put`` with ``durability="fsync"``
-(one fdatasync per task of 16 slots). Reads are cold: fsync + ``posix_fadvise(DONTNEED)``.
+(one fdatasync after all the put's writes). Reads are cold: fsync + ``posix_fadvise(DONTNEED)``.
 Files are preallocated once per case and overwritten in place by every rep (the backend's
 keys are deleted first, so its put reuses the same slots); ``os.sync()`` runs before each
 timed write; the order of the paths alternates between reps. Figures are medians over
@@ -156,9 +157,13 @@ def _o_direct_supported(workdir: Path) -> bool:
         path.unlink()
 
 
-def _median_ratio(raw_s: list[float], ours_s: list[float]) -> float:
-    """The median over reps of raw time / our time (each pair measured back to back)."""
-    return statistics.median(r / t for r, t in zip(raw_s, ours_s, strict=True))
+def _ratio_quartiles(raw_s: list[float], ours_s: list[float]) -> tuple[float, float, float]:
+    """Quartiles (q1, median, q3) over reps of raw time / our time (pairs back to back)."""
+    ratios = [r / t for r, t in zip(raw_s, ours_s, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, median, q3
 
 
 RAW = "raw pwritev/preadv x16"
@@ -227,7 +232,7 @@ async def run_case(
         for kind in ("write", "durable", "read"):
             if (name, kind) in times:
                 row[f"{kind}_gbs"] = total_bytes / statistics.median(times[name, kind]) / 1e9
-                row[f"{kind}_ratio"] = _median_ratio(times[RAW, kind], times[name, kind])
+                row[f"{kind}_ratio"] = _ratio_quartiles(times[RAW, kind], times[name, kind])
         rows.append(row)
     return rows
 
@@ -242,7 +247,10 @@ def print_table(rows: list[dict[str, object]]) -> None:
     def cell(row: dict[str, object], kind: str) -> str:
         if f"{kind}_gbs" not in row:
             return "-"
-        return f"{row[f'{kind}_gbs']:.2f} ({row[f'{kind}_ratio']:.2f})"
+        q1, median, q3 = row[f"{kind}_ratio"]  # type: ignore[misc]
+        if row["path"] == RAW:
+            return f"{row[f'{kind}_gbs']:.2f}"
+        return f"{row[f'{kind}_gbs']:.2f} ({median:.2f}; {q1:.2f}-{q3:.2f})"
 
     for r in rows:
         print(
@@ -258,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--reps", type=int, default=None, help="runs per figure (median)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or (3 if args.quick else 7)
     # (block bytes, blocks): 250 MiB and 512 MiB per pass; --quick moves 32 MiB and 64 MiB.
     cases = [(256 << 10, 128), (2 << 20, 32)] if args.quick else [(256 << 10, 1000), (2 << 20, 256)]
     rows: list[dict[str, object]] = []
@@ -270,7 +278,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
                 rows += asyncio.run(run_case(workdir, block_bytes, n_blocks, reps, o_direct))
                 for leftover in workdir.iterdir():  # start the next case on an empty directory
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    print(f"median of {reps} reps; (x raw) = median of per-rep ratios raw time / our time")
+    print(
+        f"median of {reps} reps; (x raw) = median of per-rep ratios raw time / our time; "
+        "then their interquartile range"
+    )
     print_table(rows)
     return rows
 
