@@ -12,6 +12,7 @@ Usage: python benchmarks/bench_cpu_copy.py [--quick] [--moved-mib N] [--reps N]
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     moved_mib = args.moved_mib or (32 if args.quick else 256)
     reps = args.reps or (3 if args.quick else 7)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     rows = [bench_block_size(size, moved_mib << 20, reps) for size in BLOCK_SIZES_BYTES]
     _print_table(rows)
     return rows

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import tempfile
 import time
 from collections.abc import Sequence
@@ -118,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--block-kib", type=int, default=256)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     seconds = 3.0 if args.quick else 15.0
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         row = asyncio.run(_drive(Path(tmp), args.block_kib, seconds))

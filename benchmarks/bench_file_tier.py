@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import mmap
 import os
 import shutil
@@ -266,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--reps", type=int, default=None, help="runs per figure (median)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     reps = args.reps or (3 if args.quick else 7)
     # (block bytes, blocks): 250 MiB and 512 MiB per pass; --quick moves 32 MiB and 64 MiB.
     cases = [(256 << 10, 128), (2 << 20, 32)] if args.quick else [(256 << 10, 1000), (2 << 20, 256)]

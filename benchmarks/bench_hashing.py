@@ -13,6 +13,7 @@ Usage: python benchmarks/bench_hashing.py [--quick] [--blocks N]
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import sys
 import timeit
@@ -114,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--blocks", type=int, default=None, help="blocks per request")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     num_blocks = args.blocks or (64 if args.quick else 256)
     repeats = 3 if args.quick else 9
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import shutil
 import statistics
@@ -213,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--no-sync", action="store_true", help="sync=False for both sides")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     n_blocks, reps = (200, 1) if args.quick else (args.blocks, args.reps)
     flags = {"sync": not args.no_sync}
     workdir = tempfile.mkdtemp(prefix="bench-lmdb-", dir=args.dir)

@@ -155,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--sizes", help="comma-separated block counts")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
     if args.sizes:
         sizes = [int(s) for s in args.sizes.split(",")]
     else:

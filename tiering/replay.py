@@ -15,12 +15,14 @@ Belady bound on the same trace with a metadata-only simulation.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,22 @@ def _gbps(num_bytes: int, seconds: float) -> float:
     return round(num_bytes / seconds / 1e9, 3) if seconds > 0 else 0.0
 
 
+@contextlib.contextmanager
+def _startup_heap_frozen() -> Iterator[None]:
+    """Keep the startup heap out of the garbage collector while the replay runs.
+
+    Serving engines do this once startup is over (vLLM freezes its heap): a full collection
+    over torch's objects takes ~90 ms here and holds the GIL, so it stalls the manager's I/O
+    thread too. Unfrozen afterwards, for callers that replay in-process.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
     """Replay the trace through a manager built from ``config``; return the report."""
     torch.set_num_threads(1)
@@ -120,7 +138,10 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
             PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm),
             verify=options.verify,
         )
-        with ProgressBar(len(requests), "replay", enabled=options.progress) as bar:
+        with (
+            _startup_heap_frozen(),
+            ProgressBar(len(requests), "replay", enabled=options.progress) as bar,
+        ):
             for request in requests:
                 results.append(engine.run(request))
                 if not options.overlap:
