@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -551,6 +552,88 @@ def test_joiner_rejects_a_pool_of_another_geometry(shm_name: str) -> None:
         second = CPUBlockPool.open_or_create_shared(shm_name, 3, 128, world_size=2)
         assert not second.is_creator
         second.close()
+
+
+CHILD_CRASH = """
+import os, signal, sys
+from tiering.pool import CPUBlockPool
+pool = CPUBlockPool.create_shared(sys.argv[1], 3, 128)
+pool.rows_view()[1].fill_(5)
+print("created", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a crash: never closes, never unlinks
+"""
+
+
+def _orphan_pool(shm_name: str) -> Path:
+    """A pool file left behind by a creator killed with SIGKILL."""
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_CRASH, shm_name], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGKILL and child.stdout == "created\n", child.stderr
+    (path,) = [
+        p
+        for p in (Path("/dev/shm") / shm_name, Path(tempfile.gettempdir()) / shm_name)
+        if p.exists()
+    ]
+    return path
+
+
+def test_a_pool_left_by_a_crashed_creator_is_never_joined_and_is_replaced(
+    shm_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _orphan_pool(shm_name)
+    orphan_inode = path.stat().st_ino
+    with pytest.raises(BackendError, match=r"left by a creator that exited"):
+        CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=0.1)
+    pool = CPUBlockPool.open_or_create_shared(shm_name, 3, 128)
+    assert pool.is_creator and path.stat().st_ino != orphan_inode
+    assert "its creator had exited" in caplog.text
+    assert (pool.block_view(1) == 0).all()  # a fresh pool, not the orphan's bytes
+    assert not list(path.parent.glob(f".{shm_name}.*.tmp"))  # no temp file left
+    pool.close()
+    assert not path.exists()
+
+
+def test_a_waiting_joiner_attaches_to_the_replacement_not_the_orphan(shm_name: str) -> None:
+    _orphan_pool(shm_name)
+    joined: list[CPUBlockPool] = []
+    thread = threading.Thread(
+        target=lambda: joined.append(CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=30))
+    )
+    thread.start()
+    time.sleep(0.05)
+    assert not joined  # the orphan is there, but its creator is gone: keep waiting
+    creator = CPUBlockPool.create_shared(shm_name, 3, 128)
+    thread.join(timeout=30)
+    (joiner,) = joined
+    creator.rows_view()[2].fill_(9)
+    assert (joiner.block_view(2) == 9).all() and (joiner.block_view(1) == 0).all()
+    joiner.close()
+    creator.close()
+
+
+def test_a_live_creator_in_another_process_is_not_replaced(shm_name: str) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD_CRASH.replace("os.kill(os.getpid(), signal.SIGKILL)", "sys.stdin.read()"),
+            shm_name,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "created\n"
+        with pytest.raises(FileExistsError):
+            CPUBlockPool.create_shared(shm_name, 3, 128)
+        joiner = CPUBlockPool.open_or_create_shared(shm_name, 3, 128, timeout_s=5)
+        assert not joiner.is_creator and (joiner.block_view(1) == 5).all()
+        joiner.close()
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0
 
 
 def test_shared_pool_at_an_explicit_path(tmp_path: Path) -> None:

@@ -24,17 +24,24 @@ Shared memory
 -------------
 :meth:`CPUBlockPool.create_shared` / :meth:`CPUBlockPool.open_shared` map the pool from a file
 (a bare name lives in ``/dev/shm``) that several processes share with ``MAP_SHARED``. The file
-starts with a one-page header (magic, version, geometry) that the creator writes last, after
-``ftruncate``: joiners wait (bounded) for it, then check the geometry. Rows start after it.
+starts with a one-page header (magic, version, geometry); rows start after it. The creator
+builds the file under a temporary name and links it in place when it is complete, and holds an
+exclusive ``flock`` on it for as long as it lives. Joiners wait (bounded) for the file, check
+its geometry and join only a pool whose creator still holds the lock: workers never attach to a
+pool a crashed scheduler left behind while its successor builds a new one. A new creator
+replaces such an orphaned file.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import secrets
 import struct
 import sys
 import tempfile
@@ -109,9 +116,10 @@ class CPUBlockPool:
         world_size: int = 1,
         pin_memory: PinMode = "auto",
     ) -> CPUBlockPool:
-        """Create the shared pool file (``O_CREAT | O_EXCL``); this pool unlinks it on close.
+        """Create the shared pool file; this pool unlinks it on close.
 
-        Raises :class:`FileExistsError` if the file exists.
+        Raises :class:`FileExistsError` if a live pool is there. A pool left by a creator
+        that exited (a crash) is replaced, with a warning.
         """
         pool = cls.__new__(cls)
         pool._set_geometry(num_blocks, block_bytes, world_size)
@@ -339,55 +347,82 @@ class _SharedRegion:
 
     @classmethod
     def create(cls, path: Path, header: bytes, file_bytes: int) -> _SharedRegion:
+        """Build the pool in a private temp file, then link it at ``path``.
+
+        The creator holds an exclusive ``flock`` on the file for as long as it lives, so a file
+        nobody holds was left by a creator that exited: it is replaced (a pool that a live
+        creator holds raises ``FileExistsError``). Linking a finished file means nobody ever
+        sees it half built.
+        """
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            raise
+            fd = os.open(temp, flags, 0o600)
         except OSError as exc:
             raise BackendError(f"cannot create the shared pool {str(path)!r}: {exc}") from exc
+        region: _SharedRegion | None = None
         try:
-            os.ftruncate(fd, file_bytes)
-            region = cls(path, fd, is_creator=True)
-        except BaseException as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            if isinstance(exc, OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: never contended
+            try:
+                os.ftruncate(fd, file_bytes)
+                region = cls(path, fd, is_creator=False)  # not the creator until linked
+            except OSError as exc:
                 raise BackendError(f"cannot size the shared pool {str(path)!r}: {exc}") from exc
+            assert region._mmap is not None
+            if not region._populate():
+                # Write one byte per page: allocates every page without a pool-sized buffer.
+                pages = torch.frombuffer(region._mmap, dtype=torch.uint8)[:: mmap.PAGESIZE]
+                pages.zero_()
+                del pages
+            # Geometry first, magic last: a joiner that sees the magic sees the whole header.
+            region._mmap[len(_MAGIC) : len(header)] = header[len(_MAGIC) :]
+            region._mmap[: len(_MAGIC)] = _MAGIC
+            _link_in_place(temp, path)
+            region.is_creator = True
+        except BaseException:
+            if region is not None:
+                region.close()
+            else:
+                os.close(fd)
             raise
-        assert region._mmap is not None
-        if not region._populate():
-            # Write one byte per page: allocates every page without a pool-sized buffer.
-            pages = torch.frombuffer(region._mmap, dtype=torch.uint8)[:: mmap.PAGESIZE]
-            pages.zero_()
-            del pages
-        # Geometry first, magic last: a joiner that sees the magic sees the whole header.
-        region._mmap[len(_MAGIC) : len(header)] = header[len(_MAGIC) :]
-        region._mmap[: len(_MAGIC)] = _MAGIC
+        finally:
+            temp.unlink(missing_ok=True)
         return region
 
     @classmethod
     def join(cls, path: Path, header: bytes, file_bytes: int, timeout_s: float) -> _SharedRegion:
+        """Map the pool at ``path`` once its creator published it; never one whose creator exited.
+
+        The file is reopened on every poll: a creator that replaces a stale pool links a new
+        file at the same path.
+        """
         deadline = time.monotonic() + timeout_s
-        fd: int | None = None
-        try:
-            while True:
-                if fd is None:
-                    fd = _open_existing(path)
-                if fd is not None and _header_ready(fd, path, header, file_bytes):
-                    region = cls(path, fd, is_creator=False)
-                    fd = None  # owned by the region now
-                    region._populate()
-                    return region
-                if time.monotonic() >= deadline:
-                    raise BackendError(
-                        f"timed out after {timeout_s} s waiting for the shared pool {str(path)!r}"
-                        " to be created and sized by its creator"
-                    )
-                time.sleep(0.005)
-        finally:
+        orphaned = False
+        while True:
+            fd = _open_existing(path)
             if fd is not None:
-                os.close(fd)
+                try:
+                    if _header_ready(fd, path, header, file_bytes):
+                        if _creator_alive(fd):
+                            region = cls(path, fd, is_creator=False)
+                            fd = None  # owned by the region now
+                            region._populate()
+                            return region
+                        orphaned = True
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            if time.monotonic() >= deadline:
+                why = (
+                    "; the pool there was left by a creator that exited, and no new creator "
+                    "replaced it"
+                    if orphaned
+                    else " to be created and sized by its creator"
+                )
+                raise BackendError(
+                    f"timed out after {timeout_s} s waiting for the shared pool {str(path)!r}" + why
+                )
+            time.sleep(0.005)
 
     def rows_tensor(self, num_blocks: int, row_bytes: int) -> torch.Tensor:
         assert self._mmap is not None
@@ -436,6 +471,58 @@ class _SharedRegion:
         except (OSError, ValueError):
             return False
         return True
+
+
+def _creator_alive(fd: int) -> bool:
+    """Whether the pool's creator still holds its exclusive lock on the file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _link_in_place(temp: Path, path: Path) -> None:
+    """Link the finished pool at ``path``, replacing a pool whose creator exited.
+
+    Raises ``FileExistsError`` if a live creator holds the pool there.
+    """
+    for _ in range(3):
+        try:
+            os.link(temp, path, follow_symlinks=False)
+            return
+        except FileExistsError:
+            if not _remove_if_orphaned(path):
+                raise
+    raise FileExistsError(errno.EEXIST, "the shared pool keeps being replaced", str(path))
+
+
+def _remove_if_orphaned(path: Path) -> bool:
+    """Unlink the pool at ``path`` if no creator holds it; False if a live one does."""
+    fd = _open_existing(path)
+    if fd is None:
+        return True  # gone meanwhile
+    try:
+        # Another process probing (a joiner, a second creator) holds the lock for
+        # microseconds; a live creator holds it for good.
+        for attempt in range(3):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 2:
+                    return False
+                time.sleep(0.005)
+        found, ours = os.stat(path, follow_symlinks=False), os.fstat(fd)
+        if (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino):
+            path.unlink()
+            logger.warning("replaced the shared pool %s: its creator had exited", path)
+        return True
+    except FileNotFoundError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _open_existing(path: Path) -> int | None:

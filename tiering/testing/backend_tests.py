@@ -257,7 +257,12 @@ class BackendTests:
 
     @pytest.mark.asyncio
     async def test_keeps_no_reference_to_caller_buffers(self, tmp_path: Path) -> None:
-        """After put/get return, the caller can release and resize its buffers."""
+        """After put/get return, the caller can release and resize its buffers.
+
+        A common way to fail it, now and then: a ``ThreadPoolExecutor`` keeps its work item (the
+        callable and its arguments) for a moment after the result is set, so a callable that
+        holds the buffers must drop them on the thread before returning.
+        """
         keys = self.make_keys(3)
         rng = random.Random(30)
         sources = [bytearray(rng.randbytes(self.block_bytes)) for _ in keys]

@@ -147,7 +147,19 @@ class DirectoryBackend(StorageBackend):
     async def _run(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the backend's threads; if cancelled, wait for it before raising."""
         assert self._pool is not None
-        future = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        # ``fn`` holds the caller's buffers. The executor keeps its work item (and so what it
+        # calls) a moment after the result is set, so the thread drops ``fn`` first: once we
+        # return, nothing here exports the caller's memory.
+        box = [fn]
+        del fn
+
+        def call() -> _T:
+            try:
+                return box[0]()
+            finally:
+                box.clear()
+
+        future = asyncio.get_running_loop().run_in_executor(self._pool, call)
         self._inflight.add(future)
         future.add_done_callback(self._inflight.discard)
         try:
