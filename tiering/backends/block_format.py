@@ -27,7 +27,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -54,6 +54,8 @@ FINGERPRINT_BYTES = 16
 _FIXED = struct.Struct("<4sHHQ16sQ")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 HEADER_BYTES = _FIXED.size + _HEADER_CHECKSUM.size + MAX_KEY_BYTES  # 128
+_KEY_OFFSET = _FIXED.size + _HEADER_CHECKSUM.size
+_PARSE = struct.Struct("<4sHHQ16sQQ")  # _FIXED, then the header checksum
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -71,8 +73,9 @@ def make_layout_fingerprint(description: Mapping[str, object]) -> bytes:
     return hashlib.sha256(b"tiering-layout-v1\0" + encoded).digest()[:FINGERPRINT_BYTES]
 
 
-@dataclass(frozen=True)
-class BlockHeader:
+class BlockHeader(NamedTuple):
+    """A parsed header (a tuple: read once per block read, so it must be cheap to build)."""
+
     key: bytes
     payload_bytes: int
     fingerprint: bytes
@@ -100,23 +103,17 @@ def unpack_header(raw: bytes | bytearray | memoryview) -> BlockHeader:
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         raise CorruptBlockError(f"header truncated: {len(raw)} of {HEADER_BYTES} bytes")
-    magic, version, key_len, payload_len, fingerprint, payload_sum = _FIXED.unpack_from(raw)
+    magic, version, key_len, payload_len, fingerprint, payload_sum, own = _PARSE.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, this build reads {FORMAT_VERSION}")
     if not 0 < key_len <= MAX_KEY_BYTES:
         raise CorruptBlockError(f"key length {key_len} out of range 1..{MAX_KEY_BYTES}")
-    (own,) = _HEADER_CHECKSUM.unpack_from(raw, _FIXED.size)
-    padded_key = raw[_FIXED.size + _HEADER_CHECKSUM.size :]
-    if xxhash.xxh3_64_intdigest(raw[: _FIXED.size] + padded_key) != own:
+    if xxhash.xxh3_64_intdigest(raw[: _FIXED.size] + raw[_KEY_OFFSET:]) != own:
         raise CorruptBlockError("header checksum mismatch")
-    return BlockHeader(
-        key=padded_key[:key_len],
-        payload_bytes=payload_len,
-        fingerprint=fingerprint,
-        payload_checksum=payload_sum,
-    )
+    key = raw[_KEY_OFFSET : _KEY_OFFSET + key_len]
+    return BlockHeader(key, payload_len, fingerprint, payload_sum)
 
 
 def verify_block(
