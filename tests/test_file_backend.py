@@ -842,13 +842,8 @@ class OrderRecordingOps(FileOps):
 @pytest.mark.asyncio
 async def test_a_durable_put_syncs_once_after_all_its_writes(tmp_path: Path) -> None:
     ops = OrderRecordingOps()
-    options: dict[str, Any] = {
-        "file_ops": ops,
-        "durability": "fsync",
-        "io_threads": 3,
-        "batch_blocks": 1,
-    }
-    async with new_backend(tmp_path, **options) as backend:
+    durable: dict[str, Any] = {"durability": "fsync", "io_threads": 3, "batch_blocks": 1}
+    async with new_backend(tmp_path, file_ops=ops, **durable) as backend:
         ops.calls.clear()
         assert await backend.put(make_keys(6), views([payload(i) for i in range(6)])) == [OK] * 6
         assert ops.calls == ["pwritev"] * 6 + ["fdatasync"]
