@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -634,6 +635,18 @@ def test_a_live_creator_in_another_process_is_not_replaced(shm_name: str) -> Non
     finally:
         holder.communicate("", timeout=60)
     assert holder.returncode == 0
+
+
+def test_a_file_system_without_hard_links_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.raises(BackendError, match=r"cannot link the shared pool into place.*hard links"):
+        CPUBlockPool.create_shared(tmp_path / "pool.mmap", 2, 64)
+    assert list(tmp_path.iterdir()) == []  # neither the pool nor its temporary file
 
 
 def test_shared_pool_at_an_explicit_path(tmp_path: Path) -> None:

@@ -495,6 +495,11 @@ def _link_in_place(temp: Path, path: Path) -> None:
         except FileExistsError:
             if not _remove_if_orphaned(path):
                 raise
+        except OSError as exc:  # e.g. a file system without hard links
+            raise BackendError(
+                f"cannot link the shared pool into place at {str(path)!r}: {exc}; put it on a "
+                "file system with hard links (/dev/shm, ext4, xfs, tmpfs)"
+            ) from exc
     raise FileExistsError(errno.EEXIST, "the shared pool keeps being replaced", str(path))
 
 
