@@ -14,10 +14,11 @@ Layout
 
 Writes
     ``put`` allocates a free slot per key (lowest number first, so a fresh file fills
-    sequentially) and hands the slots to a thread pool the backend owns, in chunks of
-    ``batch_blocks`` slots dealt to ``io_threads`` lanes (one pool task each, so a put costs
-    one thread hand-off per lane, not per chunk). A chunk writes each run of neighbouring
-    slots with one
+    sequentially) and hands the slots to a thread pool the backend owns, in chunks of at most
+    ``batch_blocks`` slots and 4 MiB (small enough that the bytes checksummed are still in the
+    CPU cache when they are copied). Up to ``io_threads`` lanes, one pool task each, take the
+    chunks from one queue in order, so a put costs one thread hand-off per lane, not per
+    chunk. A chunk writes each run of neighbouring slots with one
     ``os.pwritev`` whose iovecs are, per slot, the header area and the caller's payload
     (plus a zero pad when the payload is not a multiple of 4096): bytes go straight from the
     caller's buffer to the kernel. If that call fails, the run is retried slot by slot, so that
