@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--dir", help="where to create the environments (default: a temp dir)")
     parser.add_argument("--blocks", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-sync", action="store_true", help="sync=False for both sides")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
