@@ -43,9 +43,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import ClassVar, Self, TypeGuard
 
-__all__ = ["BackendCapabilities", "BackendStats", "Outcome", "StorageBackend"]
+__all__ = [
+    "BackendCapabilities",
+    "BackendStats",
+    "Outcome",
+    "StorageBackend",
+    "is_block_view",
+]
 
 
 class Outcome(enum.Enum):
@@ -171,3 +177,20 @@ class StorageBackend(ABC):
     @abstractmethod
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete each key; True if it was stored."""
+
+
+def is_block_view(buf: object, nbytes: int, *, writable: bool) -> TypeGuard[memoryview]:
+    """Whether ``buf`` is already what a backend moves bytes through: a flat, C-contiguous,
+    unsigned-byte ``memoryview`` of exactly ``nbytes`` (writable if ``writable``).
+
+    The common case (a pool row's view), checked in one go so that a backend's per-buffer
+    validation costs almost nothing; anything else goes through the backend's full checks.
+    """
+    return (
+        type(buf) is memoryview
+        and buf.nbytes == nbytes
+        and buf.format == "B"
+        and buf.ndim == 1
+        and buf.c_contiguous
+        and not (writable and buf.readonly)
+    )

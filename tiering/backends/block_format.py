@@ -53,9 +53,9 @@ FINGERPRINT_BYTES = 16
 # magic, version, key length, payload length, fingerprint, payload checksum
 _FIXED = struct.Struct("<4sHHQ16sQ")
 _HEADER_CHECKSUM = struct.Struct("<Q")
-HEADER_BYTES = _FIXED.size + _HEADER_CHECKSUM.size + MAX_KEY_BYTES  # 128
 _KEY_OFFSET = _FIXED.size + _HEADER_CHECKSUM.size
-_PARSE = struct.Struct("<4sHHQ16sQQ")  # _FIXED, then the header checksum
+HEADER_BYTES = _KEY_OFFSET + MAX_KEY_BYTES  # 128
+_PARSE = struct.Struct(_FIXED.format + "Q")  # _FIXED, then the header checksum
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:

@@ -122,7 +122,12 @@ import numpy as np
 import xxhash
 
 from tiering.backends._fileops import FileOps
-from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
+from tiering.backends.base import (
+    BackendCapabilities,
+    Outcome,
+    StorageBackend,
+    is_block_view,
+)
 from tiering.backends.block_format import (
     HEADER_BYTES,
     MAGIC,
@@ -1263,14 +1268,7 @@ class FileBackend(StorageBackend):
         views = []
         block_bytes = self.block_bytes
         for i, buffer in enumerate(buffers):
-            if (  # the common case, checked in one go: a pool row's memoryview
-                type(buffer) is memoryview
-                and buffer.nbytes == block_bytes
-                and buffer.format == "B"
-                and buffer.ndim == 1
-                and buffer.c_contiguous
-                and not (writable and buffer.readonly)
-            ):
+            if is_block_view(buffer, block_bytes, writable=writable):
                 views.append(buffer)
                 continue
             try:

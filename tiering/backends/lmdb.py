@@ -112,7 +112,12 @@ import lmdb
 import numpy as np
 import xxhash
 
-from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
+from tiering.backends.base import (
+    BackendCapabilities,
+    Outcome,
+    StorageBackend,
+    is_block_view,
+)
 from tiering.backends.block_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -230,14 +235,7 @@ def _byte_view(buf: object, nbytes: int, kind: str, index: int, *, writable: boo
 
     ``kind`` and ``index`` name the buffer in the error (``"value", 3`` -> "value 3").
     """
-    if (  # the common case, checked in one go: a pool row's memoryview
-        type(buf) is memoryview
-        and buf.nbytes == nbytes
-        and buf.format == "B"
-        and buf.ndim == 1
-        and buf.c_contiguous
-        and not (writable and buf.readonly)
-    ):
+    if is_block_view(buf, nbytes, writable=writable):
         return buf
     what = f"{kind} {index}"
     try:
