@@ -8,7 +8,7 @@ vLLM's convention (``make_offload_key``), so adapters pass keys through unchange
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NewType
+from typing import NewType, cast
 
 from tiering.errors import InvalidKeyError
 
@@ -52,17 +52,25 @@ def get_offload_group_idx(key: bytes) -> int:
     return int.from_bytes(key[-GROUP_INDEX_BYTES:], "big")
 
 
-def check_keys(keys: Iterable[object]) -> list[OffloadKey]:
+def check_keys(keys: Iterable[object], *, max_bytes: int | None = None) -> list[OffloadKey]:
     """Return ``keys`` as a list, or raise :class:`InvalidKeyError` naming the first bad one.
 
     A string is rejected as a whole: iterating it would yield characters, never keys.
+    ``max_bytes`` bounds a key's length (a backend that stores keys in a fixed header).
     """
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidKeyError(
             f"expected a collection of offload keys (bytes), got a single {type(keys).__name__}"
         )
-    out: list[OffloadKey] = []
-    for i, key in enumerate(keys):
+    out = cast("list[OffloadKey]", list(keys))
+    # The common case in passes that run in C; a hot path of every batch operation.
+    if not out or (
+        set(map(type, out)) == {bytes}
+        and min(map(len, out)) > GROUP_INDEX_BYTES
+        and (max_bytes is None or max(map(len, out)) <= max_bytes)
+    ):
+        return out
+    for i, key in enumerate(out):
         if type(key) is not bytes:
             raise InvalidKeyError(
                 f"offload keys must be bytes; key {i} is {type(key).__name__}: {key!r:.80}"
@@ -72,5 +80,9 @@ def check_keys(keys: Iterable[object]) -> list[OffloadKey]:
                 f"offload key {i} is {len(key)} bytes; a key is a block hash plus "
                 f"{GROUP_INDEX_BYTES} bytes of group index (use make_offload_key)"
             )
-        out.append(OffloadKey(key))
-    return out
+        if max_bytes is not None and len(key) > max_bytes:
+            raise InvalidKeyError(
+                f"offload key {i} is {len(key)} bytes; stored keys are at most "
+                f"{max_bytes} bytes: {key!r:.60}"
+            )
+    raise AssertionError("unreachable: a check above failed")

@@ -105,7 +105,6 @@ import json
 import logging
 import mmap
 import os
-import queue
 import secrets
 import stat
 import struct
@@ -127,6 +126,7 @@ from tiering.backends.base import (
     Outcome,
     StorageBackend,
     is_block_view,
+    ready_block_views,
 )
 from tiering.backends.block_format import (
     HEADER_BYTES,
@@ -136,7 +136,8 @@ from tiering.backends.block_format import (
     unpack_header,
     verify_block,
 )
-from tiering.errors import BackendError, ConfigurationError, CorruptBlockError, InvalidKeyError
+from tiering.backends.lanes import run_in_lanes
+from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
 __all__ = [
@@ -818,7 +819,7 @@ class FileBackend(StorageBackend):
         after it returns), then drops them: each key keeps its previous state.
         """
         self._require_open()
-        checked = self._check_keys(keys)
+        checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         views = self._check_buffers(values, len(checked), writable=False)
         results = [Outcome.FULL] * len(checked)
         # Per-block work on the loop thread delays the first write: kept to the bare minimum.
@@ -885,7 +886,7 @@ class FileBackend(StorageBackend):
         the caller's buffers after it returns.
         """
         self._require_open()
-        checked = self._check_keys(keys)
+        checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         views = self._check_buffers(buffers, len(checked), writable=True)
         results = [Outcome.MISSING] * len(checked)
         jobs: list[_Job] = []
@@ -945,12 +946,12 @@ class FileBackend(StorageBackend):
         """Whether each key is in the index (no I/O)."""
         self._require_open()
         index = self._index
-        return [key in index for key in self._check_keys(keys)]
+        return [key in index for key in check_keys(keys, max_bytes=MAX_KEY_BYTES)]
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Drop each key; zero its slot header (then fdatasync, with durability="fsync")."""
         self._require_open()
-        checked = self._check_keys(keys)
+        checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         results: list[bool] = []
         ready: list[int] = []
         for key in checked:
@@ -1160,13 +1161,11 @@ class FileBackend(StorageBackend):
     async def _run_tasks(
         self,
         tasks: list[tuple[Callable[..., _T], tuple[Any, ...]]],
-        on_cancel: Callable[[], object] | None = None,
     ) -> list[_T]:
         """Run tasks on the pool; if cancelled, cancel those not started and wait for the rest.
 
         Waiting matters: a running task may be reading from or writing into caller buffers, or
-        using the fd that close() would release. ``on_cancel`` runs first (it tells running
-        tasks to stop early).
+        using the fd that close() would release.
         """
         assert self._pool is not None
         if not tasks:
@@ -1176,8 +1175,6 @@ class FileBackend(StorageBackend):
         try:
             await asyncio.wait(futures)
         except asyncio.CancelledError:
-            if on_cancel is not None:
-                on_cancel()
             for f in raw:
                 f.cancel()
             await _wait_through_cancellation(futures)
@@ -1193,30 +1190,23 @@ class FileBackend(StorageBackend):
     ) -> list[BaseException | None]:
         """Run ``work`` on chunks of ``step`` jobs; one result per job, in order.
 
-        At most ``max_lanes`` lanes take the chunks from one queue, in order, each the next
-        one free (a lane that lost its core for a while takes fewer); a lane is one pool task.
-        One thread hand-off per lane rather than per chunk: each hand-off costs the I/O
-        threads the GIL while the loop thread wakes up, and per chunk that was ~10% of a put
-        into the page cache. If the caller is cancelled, the lanes stop before their next
-        chunk and this waits for them.
+        Up to ``max_lanes`` lanes share the chunks, in order, each taking the next one free
+        (:func:`tiering.backends.lanes.run_in_lanes`): one thread hand-off per lane rather than
+        per chunk, and one loop wake-up per call. Each hand-off costs the I/O threads the GIL
+        while the loop thread wakes up, and per chunk that was ~10% of a put into the page
+        cache. If the caller is cancelled, the lanes stop before their next chunk and this
+        waits for them.
         """
-        if not jobs:
-            return []
-        chunks: queue.SimpleQueue[tuple[int, list[_Job]]] = queue.SimpleQueue()
-        n_chunks = 0
-        for start in range(0, len(jobs), step):
-            chunks.put((n_chunks, jobs[start : start + step]))
-            n_chunks += 1
-        stop = threading.Event()
-        lanes = await self._run_tasks(
-            [(_run_lane, (work, chunks, stop)) for _ in range(min(max_lanes, n_chunks))],
-            on_cancel=stop.set,
+        assert self._pool is not None
+        chunks = [jobs[start : start + step] for start in range(0, len(jobs), step)]
+
+        def run_chunk(index: int) -> list[BaseException | None]:
+            return work(chunks[index])
+
+        parts = await run_in_lanes(
+            self._pool, max_lanes, len(chunks), lambda: contextlib.nullcontext(run_chunk)
         )
-        ordered: list[list[BaseException | None]] = [[] for _ in range(n_chunks)]
-        for lane in lanes:
-            for number, part in lane:
-                ordered[number] = part
-        return [error for part in ordered for error in part]
+        return [error for part in parts for error in part]
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -1245,17 +1235,6 @@ class FileBackend(StorageBackend):
     def _needs_bounce(self, view: memoryview) -> bool:
         return self.o_direct and not _is_aligned(view)
 
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-        checked = check_keys(keys)
-        for i, key in enumerate(checked):
-            if len(key) > MAX_KEY_BYTES:
-                raise InvalidKeyError(
-                    f"key {i} is {len(key)} bytes; the file backend stores keys of at most "
-                    f"{MAX_KEY_BYTES} bytes: {key!r:.60}"
-                )
-        return list(checked)
-
     def _check_buffers(
         self, buffers: Sequence[memoryview], n_keys: int, *, writable: bool
     ) -> list[memoryview]:
@@ -1265,6 +1244,9 @@ class FileBackend(StorageBackend):
             )
         if len(buffers) != n_keys:
             raise ValueError(f"got {n_keys} keys but {len(buffers)} buffers")
+        ready = ready_block_views(buffers, self.block_bytes, writable=writable)
+        if ready is not None:
+            return ready
         views = []
         block_bytes = self.block_bytes
         for i, buffer in enumerate(buffers):
@@ -1287,22 +1269,6 @@ class FileBackend(StorageBackend):
                 raise ValueError(f"buffer {i} is read-only; get() needs writable buffers")
             views.append(view if view.ndim == 1 and view.format == "B" else view.cast("B"))
         return views
-
-
-def _run_lane(
-    work: Callable[[list[_Job]], list[BaseException | None]],
-    chunks: queue.SimpleQueue[tuple[int, list[_Job]]],
-    stop: threading.Event,
-) -> list[tuple[int, list[BaseException | None]]]:
-    """Run ``work`` on chunks from the queue until it is empty or ``stop`` is set (a lane)."""
-    done: list[tuple[int, list[BaseException | None]]] = []
-    while not stop.is_set():
-        try:
-            number, chunk = chunks.get_nowait()
-        except queue.Empty:
-            break
-        done.append((number, work(chunk)))
-    return done
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:

@@ -117,6 +117,7 @@ from tiering.backends.base import (
     Outcome,
     StorageBackend,
     is_block_view,
+    ready_block_views,
 )
 from tiering.backends.block_format import (
     FORMAT_VERSION,
@@ -127,7 +128,8 @@ from tiering.backends.block_format import (
     verify_block,
 )
 from tiering.backends.block_format import pack_header as _pack_header
-from tiering.errors import BackendError, ConfigurationError, CorruptBlockError, InvalidKeyError
+from tiering.backends.lanes import LaneStep, run_in_lanes
+from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
 __all__ = ["LMDBBackend", "LMDBGeometry", "RecoverMode", "copy_and_checksum", "lmdb_geometry"]
@@ -276,11 +278,6 @@ def copy_and_checksum(dst: memoryview, src: memoryview) -> int:
     return state.intdigest()
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 async def _wait_uncancellable(futures: Sequence[concurrent.futures.Future[_T]]) -> list[_T]:
     """The results of ``futures`` (work on the backend's threads).
 
@@ -367,7 +364,7 @@ class _Job:
     """One put/delete/purge batch queued for the writer; ``results`` holds one entry per key."""
 
     kind: _Kind
-    keys: list[bytes]
+    keys: Sequence[bytes]
     values: list[memoryview] | None
     future: concurrent.futures.Future[list[Any]] = field(default_factory=concurrent.futures.Future)
     results: list[Any] = field(default_factory=list)
@@ -612,10 +609,10 @@ class LMDBBackend(StorageBackend):
 
     async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
         self._check_open()
-        key_list = self._check_keys(keys)
+        key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
-        views = [
+        views = ready_block_views(values, self.block_bytes, writable=False) or [
             _byte_view(v, self.block_bytes, "value", i, writable=False)
             for i, v in enumerate(values)
         ]
@@ -631,44 +628,46 @@ class LMDBBackend(StorageBackend):
 
     async def get(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Outcome]:
         self._check_open()
-        key_list = self._check_keys(keys)
+        key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(buffers) != len(key_list):
             raise ValueError(f"get got {len(key_list)} keys but {len(buffers)} buffers")
-        views = [
+        views = ready_block_views(buffers, self.block_bytes, writable=True) or [
             _byte_view(b, self.block_bytes, "buffer", i, writable=True)
             for i, b in enumerate(buffers)
         ]
-        results = [Outcome.MISSING] * len(key_list)
         stored = [i for i, key in enumerate(key_list) if key in self._index]
+        results = [Outcome.MISSING] * len(key_list)
+        corrupt: list[bytes] = []
         with self._operation():
             if stored:
                 assert self._readers is not None
-                n_chunks = min(self.read_threads, len(stored))
-                chunks = [stored[c::n_chunks] for c in range(n_chunks)]
-                read = functools.partial(self._read_chunk, key_list, views)
-                for chunk, outcomes in zip(
-                    chunks, await self._on_readers(read, chunks), strict=True
-                ):
-                    for i, outcome in zip(chunk, outcomes, strict=True):
+                lane = functools.partial(self._read_lane, key_list, views, stored)
+                outcomes = await run_in_lanes(self._readers, self.read_threads, len(stored), lane)
+                if len(stored) == len(key_list):
+                    results = outcomes
+                else:
+                    for i, outcome in zip(stored, outcomes, strict=True):
                         results[i] = outcome
-            corrupt = [key_list[i] for i, r in enumerate(results) if r is Outcome.CORRUPT]
-            if corrupt:
+            ok = results.count(Outcome.OK)
+            if ok < len(stored) and Outcome.CORRUPT in results:
+                corrupt = [key_list[i] for i, r in enumerate(results) if r is Outcome.CORRUPT]
                 await self._submit(_Job("purge", corrupt, None))
         self.stats.gets += len(results)
-        self.stats.hits += results.count(Outcome.OK)
-        self.stats.misses += results.count(Outcome.MISSING)
-        self.stats.corrupt += len(corrupt)
-        self.stats.read_failures += results.count(Outcome.FAILED)
-        self.stats.bytes_read += results.count(Outcome.OK) * self.block_bytes
+        self.stats.hits += ok
+        self.stats.bytes_read += ok * self.block_bytes
+        if ok < len(results):
+            self.stats.misses += results.count(Outcome.MISSING)
+            self.stats.corrupt += len(corrupt)
+            self.stats.read_failures += results.count(Outcome.FAILED)
         return results
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open()
-        return [key in self._index for key in self._check_keys(keys)]
+        return [key in self._index for key in check_keys(keys, max_bytes=MAX_KEY_BYTES)]
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open()
-        key_list = self._check_keys(keys)
+        key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if not key_list:
             return []
         with self._operation():
@@ -687,17 +686,6 @@ class LMDBBackend(StorageBackend):
             )
         if self._state != "open":
             raise BackendError(f"LMDB backend at {self.path!r} is not open ({self._state})")
-
-    @staticmethod
-    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-        key_list: list[bytes] = list(check_keys(keys))
-        for i, key in enumerate(key_list):
-            if len(key) > MAX_KEY_BYTES:
-                raise InvalidKeyError(
-                    f"offload key {i} is {len(key)} bytes; stored keys are at most "
-                    f"{MAX_KEY_BYTES} bytes: {key!r:.60}"
-                )
-        return key_list
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -719,64 +707,12 @@ class LMDBBackend(StorageBackend):
 
     # -- read threads ----------------------------------------------------------------------------
 
-    async def _on_readers(
-        self, read: Callable[[list[int]], list[Outcome]], chunks: list[list[int]]
-    ) -> list[list[Outcome]]:
-        """``read(chunk)`` for every chunk, on the read threads; the results in order.
-
-        A get costs two thread wake-ups whatever its size, so this path is lean: the work is
-        submitted last, and only the chunk that finishes last wakes the event loop, once. If the
-        caller is cancelled, chunks that have not started are cancelled and running ones are
-        waited for (they write into the caller's buffers) before ``CancelledError`` propagates.
-        """
-        assert self._readers is not None
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        results: list[list[Outcome]] = [[] for _ in chunks]
-        errors: list[BaseException] = []
-        pending = len(chunks)
-        lock = threading.Lock()
-        # ``read`` holds the caller's buffers; the executor keeps a finished work item (and so
-        # ``run``) alive a little after the loop wakes, so the last chunk drops it first.
-        work = [read]
-
-        def finish_one() -> None:
-            nonlocal pending
-            with lock:
-                pending -= 1
-                last = not pending
-            if last:
-                work.clear()
-                loop.call_soon_threadsafe(_resolve, done)
-
-        def run(c: int) -> None:
-            try:
-                results[c] = work[0](chunks[c])
-            except BaseException as exc:  # a bug; re-raised on the loop
-                errors.append(exc)
-            finally:
-                finish_one()
-
-        futures = [self._readers.submit(run, c) for c in range(len(chunks))]
-        del read
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            for future in futures:
-                if future.cancel():  # never started: it will not call finish_one itself
-                    finish_one()
-            while not done.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(done)
-            raise
-        if errors:
-            raise errors[0]
-        return results
-
-    def _read_chunk(
-        self, keys: list[bytes], views: list[memoryview], indices: list[int]
-    ) -> list[Outcome]:
-        """Read ``keys[i]`` into ``views[i]`` for ``i`` in ``indices``, in one read transaction."""
+    @contextlib.contextmanager
+    def _read_lane(
+        self, keys: Sequence[bytes], views: list[memoryview], stored: list[int]
+    ) -> Iterator[LaneStep[Outcome]]:
+        """A read thread's share of a get: item ``j`` reads ``keys[stored[j]]`` into its view,
+        all in one read transaction (see :func:`tiering.backends.lanes.run_in_lanes`)."""
         env = self._env
         assert env is not None
         with self._gate.reading():
@@ -784,18 +720,21 @@ class LMDBBackend(StorageBackend):
                 txn = self._begin_read(env)
             except lmdb.Error as exc:
                 _log.error("LMDB read transaction failed at %s: %s", self.path, exc)
-                return [Outcome.FAILED] * len(indices)
+                yield lambda j: Outcome.FAILED
+                return
             with txn:
-                out = []
-                for i in indices:
+
+                def step(j: int) -> Outcome:
+                    i = stored[j]
                     try:
-                        out.append(self._read_one(txn, keys[i], views[i]))
+                        return self._read_one(txn, keys[i], views[i])
                     except lmdb.Error as exc:
                         _log.error(
                             "LMDB read of %s failed at %s: %s", keys[i].hex(), self.path, exc
                         )
-                        out.append(Outcome.FAILED)
-                return out
+                        return Outcome.FAILED
+
+                yield step
 
     def _begin_read(self, env: lmdb.Environment) -> lmdb.Transaction[memoryview]:
         try:
