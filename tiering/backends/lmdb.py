@@ -15,9 +15,10 @@ Threads
     the writer's scratch buffer (payload copied in, header packed over the copy) and handed to
     ``txn.put``: py-lmdb has no ``MDB_RESERVE``, and the extra in-cache copy costs less than the
     measurement noise of LMDB's own write path (puts run at parity with raw py-lmdb puts of the
-    bare payload; ``benchmarks/bench_lmdb_tier.py``). Reads run on
-    ``read_threads`` threads, one read transaction per chunk of a batch, with ``buffers=True``:
-    the header is checked first, then the payload is copied once, straight from the map into the
+    bare payload; ``benchmarks/bench_lmdb_tier.py``). Reads run on up to ``read_threads``
+    threads that share a get's blocks, each taking the next block not yet taken, in one read
+    transaction per thread (:func:`tiering.backends.lanes.run_in_lanes`; the thread that finishes
+    last wakes the event loop, once per get), with ``buffers=True``: the header is checked first, then the payload is copied once, straight from the map into the
     caller's buffer, and its checksum computed over that buffer as it is filled (see
     :func:`copy_and_checksum`; both steps release the GIL).
 
