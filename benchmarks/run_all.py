@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
-import io
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -104,7 +103,8 @@ def _machine() -> str:
 
 
 def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, float]]:
-    sys.path.insert(0, str(HERE))
+    """Each benchmark in a process of its own, exactly the command its section names: one
+    benchmark's heap, threads and freed memory must not shape the next one's figures."""
     results = []
     for module_name, title, about, extra in BENCHMARKS:
         if names and module_name not in names:
@@ -112,14 +112,17 @@ def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, flo
         args = [*extra, *(["--quick"] if quick else [])]
         command = " ".join(["python", f"benchmarks/{module_name}.py", *args])
         print(f"== {command}", file=sys.stderr, flush=True)
-        module = importlib.import_module(module_name)
-        buffer = io.StringIO()
         started = time.perf_counter()
-        with contextlib.redirect_stdout(buffer):
-            module.main(args)
+        done = subprocess.run(
+            [sys.executable, str(HERE / f"{module_name}.py"), *args],
+            cwd=HERE.parent,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        )
         elapsed = time.perf_counter() - started
-        sys.stderr.write(buffer.getvalue())
-        results.append((title, about, command, buffer.getvalue().strip(), elapsed))
+        sys.stderr.write(done.stdout)
+        results.append((title, about, command, done.stdout.strip(), elapsed))
     return results
 
 
