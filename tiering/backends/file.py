@@ -126,7 +126,6 @@ from tiering.backends.base import (
     Outcome,
     StorageBackend,
     is_block_view,
-    ready_block_views,
 )
 from tiering.backends.block_format import (
     HEADER_BYTES,
@@ -1244,9 +1243,6 @@ class FileBackend(StorageBackend):
             )
         if len(buffers) != n_keys:
             raise ValueError(f"got {n_keys} keys but {len(buffers)} buffers")
-        ready = ready_block_views(buffers, self.block_bytes, writable=writable)
-        if ready is not None:
-            return ready
         views = []
         block_bytes = self.block_bytes
         for i, buffer in enumerate(buffers):

@@ -18,8 +18,9 @@ Threads
     bare payload; ``benchmarks/bench_lmdb_tier.py``). Reads run on up to ``read_threads``
     threads that share a get's blocks, each taking the next block not yet taken, in one read
     transaction per thread (:func:`tiering.backends.lanes.run_in_lanes`; the thread that finishes
-    last wakes the event loop, once per get), with ``buffers=True``: the header is checked first, then the payload is copied once, straight from the map into the
-    caller's buffer, and its checksum computed over that buffer as it is filled (see
+    last wakes the event loop, once per get), with ``buffers=True``: the header is checked
+    first, then the payload is copied once, straight from the map into the caller's buffer,
+    and its checksum computed over that buffer as it is filled (see
     :func:`copy_and_checksum`; both steps release the GIL).
 
 Durability flags (they only matter for an OS crash or power loss; a killed *process* never loses
@@ -118,7 +119,6 @@ from tiering.backends.base import (
     Outcome,
     StorageBackend,
     is_block_view,
-    ready_block_views,
 )
 from tiering.backends.block_format import (
     FORMAT_VERSION,
@@ -613,7 +613,7 @@ class LMDBBackend(StorageBackend):
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
-        views = ready_block_views(values, self.block_bytes, writable=False) or [
+        views = [
             _byte_view(v, self.block_bytes, "value", i, writable=False)
             for i, v in enumerate(values)
         ]
@@ -632,7 +632,7 @@ class LMDBBackend(StorageBackend):
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(buffers) != len(key_list):
             raise ValueError(f"get got {len(key_list)} keys but {len(buffers)} buffers")
-        views = ready_block_views(buffers, self.block_bytes, writable=True) or [
+        views = [
             _byte_view(b, self.block_bytes, "buffer", i, writable=True)
             for i, b in enumerate(buffers)
         ]
