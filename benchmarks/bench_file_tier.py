@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -248,7 +248,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
     def cell(row: dict[str, object], kind: str) -> str:
         if f"{kind}_gbs" not in row:
             return "-"
-        q1, median, q3 = row[f"{kind}_ratio"]  # type: ignore[misc]
+        q1, median, q3 = cast("tuple[float, float, float]", row[f"{kind}_ratio"])
         if row["path"] == RAW:
             return f"{row[f'{kind}_gbs']:.2f}"
         return f"{row[f'{kind}_gbs']:.2f} ({median:.2f}; {q1:.2f}-{q3:.2f})"

@@ -28,14 +28,15 @@ from collections.abc import Sequence
 
 import torch
 
+from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.tiering_manager import TieringOffloadingManager
 
 BATCH = 16
 
 
-def _keys(start: int, count: int) -> list[bytes]:
-    return [i.to_bytes(32, "big") + b"\x00\x00\x00\x00" for i in range(start, start + count)]
+def _keys(start: int, count: int) -> list[OffloadKey]:
+    return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + count)]
 
 
 def _fill(manager: CPUOffloadingManager | TieringOffloadingManager, num_blocks: int) -> None:
@@ -58,9 +59,9 @@ def _store_us(
 
 
 def _lookup_us(
-    manager: CPUOffloadingManager | TieringOffloadingManager, present: list[bytes], n: int
+    manager: CPUOffloadingManager | TieringOffloadingManager, present: list[OffloadKey], n: int
 ) -> float:
-    probe = [bytes(bytearray(k)) for k in random.Random(0).choices(present, k=n)]
+    probe = [OffloadKey(bytes(bytearray(k))) for k in random.Random(0).choices(present, k=n)]
     lookup = manager.lookup
     t0 = time.perf_counter()
     for key in probe:
@@ -79,8 +80,8 @@ def _reference(num_blocks: int, n: int) -> tuple[float, float]:
     # Fresh key objects, as the manager's probe gets: their hashes are not cached yet.
     probe = [bytes(bytearray(k)) for k in random.Random(0).choices(list(order), k=n)]
     t0 = time.perf_counter()
-    for key in probe:
-        _ = key in order
+    for probe_key in probe:
+        _ = probe_key in order
     lookup = (time.perf_counter() - t0) / n * 1e6
     return store, lookup
 
