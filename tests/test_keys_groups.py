@@ -35,7 +35,9 @@ def test_offload_key_is_hash_plus_big_endian_group_index() -> None:
         (b"h", True, "group_idx must be an int, got bool"),
     ],
 )
-def test_make_offload_key_rejects_bad_input(block_hash: object, group_idx: object, message: str):
+def test_make_offload_key_rejects_bad_input(
+    block_hash: object, group_idx: object, message: str
+) -> None:
     with pytest.raises(InvalidKeyError, match=message):
         make_offload_key(block_hash, group_idx)  # type: ignore[arg-type]
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.lookup import KeyState, find_hybrid_hit
+from tiering.lookup import HybridHit, KeyState, find_hybrid_hit
 
 R, A, P = KeyState.READY, KeyState.ABSENT, KeyState.PENDING
 
@@ -23,7 +23,9 @@ SWA16 = KVCacheGroup(GroupKind.SLIDING_WINDOW, 16, (64,), sliding_window=32)  # 
 MAMBA32 = KVCacheGroup(GroupKind.MAMBA, 32, (64,))
 
 
-def run(spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: int):
+def run(
+    spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: int
+) -> tuple[HybridHit, list[list[bytes]], list[bytes]]:
     keys = [[bytes([g, i]) for i in range(len(s))] for g, s in enumerate(states)]
     table = {k: st for g, s in enumerate(states) for k, st in zip(keys[g], s, strict=True)}
     asked: list[bytes] = []

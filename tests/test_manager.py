@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tiering.errors import InvalidKeyError, ProtocolError
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.specs import OffloadingEvent
 
 
-def k(i: int) -> bytes:
+def k(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big"), 0)
 
 

@@ -82,7 +82,7 @@ def test_lru_hits_agree_with_an_independent_computation(tmp_path: Path) -> None:
 
 
 def test_same_seed_same_numbers_with_file_and_lmdb_tiers(tmp_path: Path) -> None:
-    tiers = [
+    tiers: list[dict[str, Any]] = [
         {"name": "nvme", "type": "file", "capacity": "3MiB", "path": "nvme"},
         {"name": "lmdb", "type": "lmdb", "capacity": "2MiB", "path": "lmdb", "sync": False},
     ]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tiering.errors import InvalidKeyError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 from tiering.store_plan import plan_store
 
 
@@ -24,7 +24,7 @@ def spec_with_window(factor: int) -> KVCacheSpec:
     )
 
 
-def keys_for(spec: KVCacheSpec, num_hash_blocks: int) -> list[list[bytes]]:
+def keys_for(spec: KVCacheSpec, num_hash_blocks: int) -> list[list[OffloadKey]]:
     return spec.offload_keys([i.to_bytes(8, "big") for i in range(num_hash_blocks)])
 
 

@@ -12,7 +12,7 @@ import torch
 from tiering.backends._fileops import FileOps
 from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
@@ -26,7 +26,9 @@ class DevFullWrites(FileOps):
 
     full = True
 
-    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    def pwritev(
+        self, fd: int, buffers: Sequence[memoryview | bytes | bytearray], offset: int
+    ) -> int:
         if not self.full:
             return super().pwritev(fd, buffers, offset)
         devfull = os.open("/dev/full", os.O_WRONLY)
@@ -36,7 +38,7 @@ class DevFullWrites(FileOps):
             os.close(devfull)
 
 
-def k(i: int) -> bytes:
+def k(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big"), 0)
 
 

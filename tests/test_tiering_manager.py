@@ -13,7 +13,7 @@ from tiering.backends.base import Outcome
 from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.memory import MemoryBackend
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.specs import OffloadingEvent
 from tiering.tier import SecondaryTier
@@ -23,7 +23,7 @@ ROW_BYTES = 256
 FINGERPRINT = make_layout_fingerprint({"test": ROW_BYTES})
 
 
-def k(i: int, group: int = 0) -> bytes:
+def k(i: int, group: int = 0) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big"), group)
 
 
@@ -53,7 +53,7 @@ class Harness:
         gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "big") * 31 + key[-1])
         return torch.randint(0, 256, (ROW_BYTES,), dtype=torch.uint8, generator=gen)
 
-    def store(self, *keys: bytes) -> list[bytes]:
+    def store(self, *keys: OffloadKey) -> list[OffloadKey]:
         out = self.manager.prepare_store(list(keys))
         assert out is not None
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
@@ -61,7 +61,7 @@ class Harness:
         self.manager.complete_store(list(keys))
         return list(out.evicted_keys)
 
-    def assert_loaded_exact(self, *keys: bytes) -> None:
+    def assert_loaded_exact(self, *keys: OffloadKey) -> None:
         spec = self.manager.prepare_load(list(keys))
         for key, slot in zip(keys, spec.block_ids.tolist(), strict=True):
             assert torch.equal(self.pool[slot], self.payload(key)), key

@@ -15,10 +15,10 @@ import time
 import torch
 
 from tiering.config import build_manager, build_pool, load_config
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 
 
-def key(i: int) -> bytes:
+def key(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(32, "big"), 0)
 
 
@@ -41,7 +41,7 @@ def main() -> None:
         rows[slot] = payload(keys.index(k), rows.shape[1])
     manager.complete_store(keys)
     manager.wait_idle()
-    stored = {tier.medium: set() for tier in manager.tiers}
+    stored: dict[str, set[OffloadKey]] = {tier.medium: set() for tier in manager.tiers}
     for event in manager.take_events():
         if not event.removed and event.medium in stored:
             stored[event.medium].update(event.keys)
