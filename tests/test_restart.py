@@ -7,6 +7,7 @@ once the stores were acknowledged durable. A block that does not verify is a mis
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -41,26 +42,35 @@ FILE_TIER = "  - {name: nvme, type: file, capacity: 1MiB, path: nvme, durability
 LMDB_TIER = "  - {name: lmdb, type: lmdb, capacity: 1MiB, path: lmdb, sync: true}\n"
 
 
+def first_line(proc: subprocess.Popen[bytes]) -> str:
+    """The worker's first line, read a byte at a time from the pipe: a buffered readline() may
+    also take the lines after it, and communicate() would then never see them."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    line = bytearray()
+    while (byte := os.read(fd, 1)) not in (b"", b"\n"):
+        line += byte
+    return line.decode()
+
+
 def store_in_subprocess(config: Path, mode: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), str(config), str(NUM_BLOCKS), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
+    line = first_line(proc)
     if line != "DURABLE":
         proc.kill()
-        raise AssertionError(f"worker failed: {line!r} {proc.communicate()[1]}")
+        raise AssertionError(f"worker failed: {line!r} {proc.communicate()[1].decode()}")
     if mode == "hang":
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL
     else:
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        assert out.strip() == "CLOSED"
+        assert proc.returncode == 0, err.decode()
+        assert out.decode().strip() == "CLOSED"
 
 
 def reopen(config_path: Path) -> tuple[TieringOffloadingManager, torch.Tensor]:
