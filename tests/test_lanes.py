@@ -75,14 +75,22 @@ async def test_a_lane_that_finds_nothing_left_opens_nothing(executor: ThreadPool
     assert recorder.items_by_lane == [[0]]
 
 
+async def _start_with_item_0_held(
+    executor: ThreadPoolExecutor, lanes: int, n_items: int
+) -> tuple[asyncio.Future[list[int]], _Recorder, threading.Event]:
+    """A call whose item 0 has started and waits for the returned event."""
+    release = threading.Event()
+    recorder = _Recorder(block_on={0: release})
+    call = asyncio.ensure_future(run_in_lanes(executor, lanes, n_items, recorder.open_lane))
+    assert await asyncio.to_thread(recorder.started[0].wait, 10)
+    return call, recorder, release
+
+
 @pytest.mark.asyncio
 async def test_a_held_lane_takes_one_item_while_the_other_does_the_rest(
     executor: ThreadPoolExecutor,
 ) -> None:
-    release = threading.Event()
-    recorder = _Recorder(block_on={0: release})
-    call = asyncio.ensure_future(run_in_lanes(executor, 2, 20, recorder.open_lane))
-    assert await asyncio.to_thread(recorder.started[0].wait, 10)
+    call, recorder, release = await _start_with_item_0_held(executor, 2, 20)
     # The other lane works through items 1..19 while item 0 is held.
     for _ in range(1000):
         if sum(map(len, recorder.items_by_lane)) == 20:
@@ -98,10 +106,7 @@ async def test_a_held_lane_takes_one_item_while_the_other_does_the_rest(
 async def test_cancel_waits_for_the_running_item_and_starts_no_other(
     executor: ThreadPoolExecutor,
 ) -> None:
-    release = threading.Event()
-    recorder = _Recorder(block_on={0: release})
-    call = asyncio.ensure_future(run_in_lanes(executor, 1, 5, recorder.open_lane))
-    assert await asyncio.to_thread(recorder.started[0].wait, 10)
+    call, recorder, release = await _start_with_item_0_held(executor, 1, 5)
     call.cancel()
     await asyncio.sleep(0.05)
     assert not call.done()  # item 0 may still write into the caller's buffers

@@ -16,10 +16,10 @@ Writes
     ``put`` allocates a free slot per key (lowest number first, so a fresh file fills
     sequentially) and hands the slots to a thread pool the backend owns, in chunks of at most
     ``batch_blocks`` slots and 4 MiB (small enough that the bytes checksummed are still in the
-    CPU cache when they are copied). Up to ``io_threads`` lanes, one pool task each, take the
-    chunks from one queue in order, so a put costs one thread hand-off per lane, not per
-    chunk. A chunk writes each run of neighbouring slots with one
-    ``os.pwritev`` whose iovecs are, per slot, the header area and the caller's payload
+    CPU cache when they are copied). Up to ``io_threads`` threads share the chunks, each taking
+    the next one in order (:func:`tiering.backends.lanes.run_in_lanes`), so a put costs one
+    thread hand-off per thread, not per chunk. A chunk writes each run of neighbouring slots
+    with one ``os.pwritev`` whose iovecs are, per slot, the header area and the caller's payload
     (plus a zero pad when the payload is not a multiple of 4096): bytes go straight from the
     caller's buffer to the kernel. If that call fails, the run is retried slot by slot, so that
     only the slots that fail again are ``FAILED``. Only when a slot is written (and, with
@@ -1157,10 +1157,7 @@ class FileBackend(StorageBackend):
         (result,) = await self._run_tasks([(fn, args)])
         return result
 
-    async def _run_tasks(
-        self,
-        tasks: list[tuple[Callable[..., _T], tuple[Any, ...]]],
-    ) -> list[_T]:
+    async def _run_tasks(self, tasks: list[tuple[Callable[..., _T], tuple[Any, ...]]]) -> list[_T]:
         """Run tasks on the pool; if cancelled, cancel those not started and wait for the rest.
 
         Waiting matters: a running task may be reading from or writing into caller buffers, or
