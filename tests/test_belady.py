@@ -1,4 +1,4 @@
-"""Tests of tiering.belady: MIN against hand counts and brute force, LRU against libCacheSim."""
+"""tiering.replay.belady: MIN against hand counts and brute force, LRU against libCacheSim."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiering.belady import REFERENCE_POLICIES, Stats, belady_hits, lru_hits, simulate
 from tiering.errors import ConfigurationError
 from tiering.hashing import PrefixHasher
 from tiering.policies import ARCPolicy, LRUPolicy
-from tiering.traces import builtin_trace, hash_requests
+from tiering.replay.belady import REFERENCE_POLICIES, Stats, belady_hits, lru_hits, simulate
+from tiering.replay.traces import builtin_trace, hash_requests
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -50,8 +50,8 @@ from tiering.hashing import SUPPORTED_ALGORITHMS
 from tiering.identity import layout_fingerprint
 from tiering.keys import make_offload_key
 from tiering.model_shapes import get_model_shape
+from tiering.replay.traces import SCALES
 from tiering.tier import SecondaryTier, WritePolicy
-from tiering.traces import SCALES
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiering.yaml"
 

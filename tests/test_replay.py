@@ -13,7 +13,7 @@ from tiering.cli import main as cli_main
 from tiering.config import TieringConfig, parse_config
 from tiering.hashing import PrefixHasher
 from tiering.replay import ReplayOptions, policy_study, run_replay
-from tiering.traces import builtin_trace
+from tiering.replay.traces import builtin_trace
 
 TIMING_KEYS = {"wall_s", "load_ms", "store_ms", "store_job_ms", "load_job_ms"}
 TIMING_KEYS |= {"write_gbps", "read_gbps"}

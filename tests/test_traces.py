@@ -1,4 +1,4 @@
-"""Tests of tiering.traces: generators, the segment PRNG, JSONL files and summaries."""
+"""Tests of tiering.replay.traces: generators, the segment PRNG, JSONL files and summaries."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tiering.errors import ConfigurationError, TieringError
 from tiering.hashing import ExtraKeys, PrefixHasher
-from tiering.traces import (
+from tiering.replay.traces import (
     BUILTIN_TRACES,
     Request,
     TraceError,

@@ -45,7 +45,7 @@ from tiering.config import (
     load_config,
 )
 from tiering.errors import ConfigError, TieringError
-from tiering.progress import ProgressBar
+from tiering.replay.progress import ProgressBar
 
 __all__ = ["build_parser", "format_bytes", "main"]
 

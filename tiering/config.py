@@ -57,9 +57,9 @@ from tiering.registry import (
 )
 from tiering.tier import SecondaryTier, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
-from tiering.traces import BUILTIN_TRACES, SCALES
 
 __all__ = [
+    "BUILTIN_TRACES",
     "CONFIG_VERSION",
     "ENV_PREFIX",
     "IGNORED_ENV_VARS",
@@ -72,6 +72,7 @@ __all__ = [
     "ModelConfig",
     "PrimaryConfig",
     "ReplaySettings",
+    "SCALES",
     "TierConfig",
     "TieringConfig",
     "build_backend",
@@ -90,6 +91,10 @@ MAX_NESTING_DEPTH = 32  # a config nests 4 deep; this bounds the YAML composer's
 ENV_PREFIX = "TIERING_"
 #: ``TIERING_*`` variables that are not overrides (the CLI's own settings).
 IGNORED_ENV_VARS = frozenset({"TIERING_CONFIG"})
+# The replay section's vocabulary. The replay lab (tiering.replay) builds its traces from these
+# names; config reads them here so that checking a config never imports the lab.
+BUILTIN_TRACES = ("chat", "rag", "agent", "mixed")
+SCALES = ("tiny", "demo", "large")
 
 
 class ConfigWarning(UserWarning):

@@ -22,9 +22,9 @@ from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.layout import CanonicalKVCaches
 from tiering.pool import KVBlockCopier, PoolTransfer
+from tiering.replay.traces import Request
 from tiering.store_plan import NULL_BLOCK_ID, plan_store
 from tiering.tiering_manager import TieringOffloadingManager
-from tiering.traces import Request
 
 __all__ = ["RequestResult", "SimulatedEngine"]
 

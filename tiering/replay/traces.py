@@ -99,6 +99,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from tiering.config import BUILTIN_TRACES, SCALES
 from tiering.errors import ConfigurationError, TieringError
 from tiering.hashing import ExtraKeys, PrefixHasher
 
@@ -122,8 +123,6 @@ __all__ = [
 ]
 
 DEFAULT_VOCAB_SIZE = 128_000
-BUILTIN_TRACES = ("chat", "rag", "agent", "mixed")
-SCALES = ("tiny", "demo", "large")
 
 #: A token count: a fixed int, or an inclusive ``(low, high)`` range drawn uniformly.
 IntRange = int | tuple[int, int]

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.belady import simulate
 from tiering.config import (
     TieringConfig,
     build_manager,
@@ -43,9 +42,10 @@ from tiering.hashing import PrefixHasher
 from tiering.model_shapes import get_model_shape
 from tiering.policies import get_policy_class
 from tiering.pool import KVBlockCopier
-from tiering.progress import ProgressBar
-from tiering.sim_engine import RequestResult, SimulatedEngine
-from tiering.traces import Request, builtin_trace, read_jsonl
+from tiering.replay.belady import simulate
+from tiering.replay.progress import ProgressBar
+from tiering.replay.sim_engine import RequestResult, SimulatedEngine
+from tiering.replay.traces import Request, builtin_trace, read_jsonl
 
 __all__ = ["ReplayOptions", "configure_parser", "load_trace", "policy_study", "run_replay"]
 
@@ -467,7 +467,3 @@ def main(argv: list[str] | None = None) -> int:
     except (TieringError, OSError) as exc:
         print(f"tiering replay: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
