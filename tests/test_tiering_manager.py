@@ -15,7 +15,7 @@ from tiering.backends.memory import MemoryBackend
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
-from tiering.specs import OffloadingEvent
+from tiering.protocol import OffloadingEvent
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
 
@@ -97,7 +97,7 @@ def test_write_through_then_promotion_is_bit_exact(harness_factory: type[Harness
     assert h.manager.lookup(k(1)) is True
     h.assert_loaded_exact(k(1))
     events = h.manager.take_events()
-    assert OffloadingEvent((k(1), k(2)), "MEMORY", False) in events
+    assert OffloadingEvent((k(1), k(2)), "MEMORY", False, "memory") in events
     assert OffloadingEvent((k(1),), "CPU", False) in events[-2:]
 
 
@@ -107,9 +107,9 @@ def test_a_key_is_never_promoted_twice_at_once(harness_factory: type[Harness]) -
     h.settle()
     h.store(k(2), k(3))
     h.settle()
-    assert h.manager.lookup(k(1), "req") is None
-    assert h.manager.lookup(k(1), "req") is None  # asked again: starts the batch once
-    assert h.manager.lookup(k(1), "other") in (None, True)  # in flight or already done
+    assert h.manager.lookup(k(1), req_context="req") is None
+    assert h.manager.lookup(k(1), req_context="req") is None  # asked again: starts the batch once
+    assert h.manager.lookup(k(1), req_context="other") in (None, True)  # in flight or already done
     h.settle()
     assert h.manager.tiers[0].metrics.promotions == 1
     assert h.manager.tiers[0].metrics.promoted_blocks == 1
@@ -121,10 +121,10 @@ def test_promotions_are_batched_per_request(harness_factory: type[Harness]) -> N
     h.settle()
     h.store(k(4), k(5), k(6), k(7))  # evicts 1-3 from the primary
     h.settle()
-    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") is None
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], req_context="req") is None
     h.settle()
     assert h.manager.tiers[0].metrics.promotions == 1
-    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") == 3
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], req_context="req") == 3
     h.assert_loaded_exact(k(1), k(2), k(3))
 
 
@@ -147,7 +147,7 @@ def test_corrupt_promotion_is_a_counted_miss_and_not_retried(
     assert h.manager.lookup(k(1)) is False
     h.settle()
     assert tier.metrics.promotions == 1  # no retry loop
-    assert OffloadingEvent((k(1),), "MEMORY", True) in h.manager.take_events()
+    assert OffloadingEvent((k(1),), "MEMORY", True, "memory") in h.manager.take_events()
 
 
 class FailingBackend(MemoryBackend):
@@ -280,7 +280,7 @@ def test_reset_cache_drops_every_tier(harness_factory: type[Harness]) -> None:
     assert h.manager.lookup(k(1)) is False and len(tier) == 0
     events = h.manager.take_events()
     assert OffloadingEvent((k(1),), "CPU", True) in events
-    assert OffloadingEvent((k(1),), "MEMORY", True) in events
+    assert OffloadingEvent((k(1),), "MEMORY", True, "memory") in events
 
 
 @pytest.mark.asyncio

@@ -168,7 +168,7 @@ class SimulatedEngine:
         hit_tokens: int | None = None
         while True:
             hit_tokens = self.manager.lookup_request(
-                self.spec, keys, num_tokens, request.request_id
+                self.spec, keys, num_tokens, req_context=request.request_id
             )
             if hit_tokens is not None:
                 break
@@ -194,8 +194,8 @@ class SimulatedEngine:
             for key in load_keys:
                 medium = located.get(key, "NEW")  # "NEW": stored while this request waited
                 loaded_from[medium] = loaded_from.get(medium, 0) + 1
-            self.manager.touch(load_keys, request.request_id)
-            slots = self.manager.prepare_load(load_keys, request.request_id).block_ids
+            self.manager.touch(load_keys, req_context=request.request_id)
+            slots = self.manager.prepare_load(load_keys, req_context=request.request_id).block_ids
             engine_ids: list[int] = []
             sizes: list[int] = []
             for g in range(len(keys)):
@@ -203,7 +203,7 @@ class SimulatedEngine:
                 engine_ids.extend(ids)
                 sizes.append(len(ids))
             result = self.copier.load(PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots))
-            self.manager.complete_load(load_keys, request.request_id)
+            self.manager.complete_load(load_keys, req_context=request.request_id)
             blocks_loaded = len(load_keys)
             bytes_loaded = result.bytes_copied
             if self.verify:
@@ -221,7 +221,7 @@ class SimulatedEngine:
 
         start = time.perf_counter()
         candidates = plan_store(self.spec, keys, tables, hit_blocks)
-        out = self.manager.prepare_store(list(candidates.keys), request.request_id)
+        out = self.manager.prepare_store(list(candidates.keys), req_context=request.request_id)
         blocks_stored = bytes_stored = 0
         if out is not None and out.keys_to_store:
             job = candidates.build_job(out.keys_to_store)
@@ -233,7 +233,7 @@ class SimulatedEngine:
                 factor,
             )
             result = self.copier.store(transfer)
-            self.manager.complete_store(out.keys_to_store, True, request.request_id)
+            self.manager.complete_store(out.keys_to_store, req_context=request.request_id)
             blocks_stored = len(out.keys_to_store)
             bytes_stored = result.bytes_copied
         store_s = time.perf_counter() - start
