@@ -24,8 +24,8 @@ import numpy as np
 
 from tiering.errors import InvalidArgumentError
 from tiering.groups import KVCacheSpec
-from tiering.keys import OffloadKey
-from tiering.lookup import KeyState, find_hybrid_hit
+from tiering.keys import OffloadKey, check_keys
+from tiering.lookup import KeyState, check_hybrid_args, find_hybrid_hit
 
 __all__ = [
     "ConfigInfo",
@@ -270,6 +270,9 @@ class OffloadingManager(ABC):
         """
         if misplaced:
             reject_positional("lookup_request", misplaced, "req_context")
+        check_hybrid_args(spec, keys_per_group, num_prompt_tokens, engine_recomputes_last_token)
+        for group_keys in keys_per_group:
+            check_keys(group_keys)
         from_result = _KEY_STATES
 
         def state_of(key: bytes) -> KeyState:

@@ -130,6 +130,8 @@ class TierJob:
     req_context: object = None
     retried: bool = False  # a FULL retry: holds the rows of the job it retries, never retries
     future: concurrent.futures.Future[Any] | None = None  # set by the manager on submission
+    seq: int = 0  # submission order (set by the manager): results apply in this order
+    epoch: int = 0  # the manager's step when submitted (set by the manager)
     started_s: float = field(default_factory=time.perf_counter)
 
     def done(self) -> bool:

@@ -39,7 +39,6 @@ Asyncio users drive the same machinery with ``async with``, :meth:`drain` and
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import queue
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
@@ -158,7 +157,12 @@ class TieringOffloadingManager(OffloadingManager):
         self._finished: queue.SimpleQueue[tuple[Callable[[TierJob, Any], None], TierJob]] = (
             queue.SimpleQueue()
         )
-        self._jobs: set[TierJob] = set()
+        self._jobs: set[TierJob] = set()  # submitted, results not applied yet
+        self._done: list[
+            tuple[Callable[[TierJob, Any], None], TierJob]
+        ] = []  # finished, not applied
+        self._next_seq = 0
+        self._epoch = 0  # step-driven: on_schedule_end calls so far
         self._events: list[OffloadingEvent] = []
         self._promoting: dict[bytes, int] = {}  # key -> tier index: waiting or in flight
         self._batches: dict[Hashable, _PromotionBatch] = {}  # by request key, not submitted
@@ -187,23 +191,50 @@ class TieringOffloadingManager(OffloadingManager):
     # -- job plumbing ----------------------------------------------------------------------------
 
     def _submit(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
+        job.seq = self._next_seq
+        job.epoch = self._epoch
+        self._next_seq += 1
         future = self._io.submit(job.io)
         job.future = future
         self._jobs.add(job)
         future.add_done_callback(lambda _f: self._finished.put((on_done, job)))
 
-    def _process_finished(self) -> None:
-        """Apply the results of finished jobs, on the caller's thread."""
-        finished = self._finished
+    def _collect(self, block_until_all: float | None = None) -> None:
+        """Move finished jobs from the I/O thread's queue to ``_done``. With
+        ``block_until_all`` (a deadline, or ``inf``), wait until every job in flight is there."""
+        finished, done = self._finished, self._done
         while not finished.empty():  # cheap when idle: no exception per protocol call
-            on_done, job = finished.get_nowait()
-            self._jobs.discard(job)
-            assert job.future is not None
+            done.append(finished.get_nowait())
+        if block_until_all is None:
+            return
+        while len(done) < len(self._jobs):
+            remaining = block_until_all - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(self._jobs) - len(done)} tiering job(s) still in flight")
             try:
-                result = job.future.result()
-            except BaseException as exc:  # the jobs return their failures; be safe anyway
-                result = exc
-            on_done(job, result)
+                done.append(finished.get(timeout=min(remaining, 3600.0)))
+            except queue.Empty:
+                continue
+
+    def _process_finished(self, before_epoch: int | None = None) -> None:
+        """Apply the results of finished jobs on the caller's thread, in submission order; with
+        ``before_epoch``, only those of jobs submitted before that step."""
+        self._collect()
+        if self._done:
+            if before_epoch is None:
+                ready, self._done = self._done, []
+            else:
+                ready = [d for d in self._done if d[1].epoch < before_epoch]
+                self._done = [d for d in self._done if d[1].epoch >= before_epoch]
+            ready.sort(key=lambda item: item[1].seq)
+            for on_done, job in ready:
+                self._jobs.discard(job)
+                assert job.future is not None
+                try:
+                    result = job.future.result()
+                except BaseException as exc:  # the jobs return their failures; be safe anyway
+                    result = exc
+                on_done(job, result)
         if self._waiting:
             self._start_waiting_promotions()
 
@@ -624,11 +655,12 @@ class TieringOffloadingManager(OffloadingManager):
         """End of a scheduler step: apply the results of finished tier I/O, then submit every
         request's promotion batch (one job per request and tier)."""
         self._check_open()
-        self._process_finished()
+        self._process_finished(before_epoch=self._epoch if self.step_driven else None)
         self._flush_promotions()
+        self._epoch += 1
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._batches or self._waiting) or not self._finished.empty()
+        return bool(self._jobs or self._batches or self._waiting)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored and removed events of every medium ("CPU", then each tier's), in order."""
@@ -693,37 +725,38 @@ class TieringOffloadingManager(OffloadingManager):
     # -- waiting and lifecycle --------------------------------------------------------------------
 
     def wait_idle(self, timeout: float | None = 60.0) -> None:
-        """Block until no job is in flight, every batch is submitted and every result applied
-        (lifecycle and tools; never called by the protocol)."""
+        """Block until every promotion batch is submitted, no job is in flight and every result
+        is applied (lifecycle, tools and tests; never called by the protocol).
+
+        It works in rounds, each a step boundary with its I/O drained: submit the batches, wait
+        until every job in flight has finished, apply all their results in submission order. So
+        the same calls give the same state afterwards, however the I/O thread was scheduled."""
         if self._io.in_loop_thread():
             raise TieringError("wait_idle() would deadlock on the I/O loop thread")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._flush_promotions()
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         while True:
+            self._flush_promotions()
+            self._collect(block_until_all=deadline)
             self._process_finished()
-            if not self._jobs and not self._waiting:
+            if not self._jobs and not self._waiting and not self._batches:
                 return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"{len(self._jobs)} tiering job(s) still in flight")
-            futures = [j.future for j in self._jobs if j.future is not None]
-            concurrent.futures.wait(
-                futures, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            time.sleep(0)  # let done-callbacks enqueue their results
 
     def wait_ready(self, timeout: float | None = 60.0) -> None:
         """Block until every tier is open and indexed (or degraded)."""
         self.wait_idle(timeout)
 
     async def drain(self) -> None:
-        """Wait, without blocking the event loop, until all in-flight work is done and applied."""
-        self._flush_promotions()
+        """Wait, without blocking the event loop, until all in-flight work is done and applied
+        (in rounds, as :meth:`wait_idle`)."""
         while True:
+            self._flush_promotions()
+            self._collect()
+            while len(self._done) < len(self._jobs):
+                await self._wait_any()
+                self._collect()
             self._process_finished()
-            if not self._jobs and not self._waiting:
+            if not self._jobs and not self._waiting and not self._batches:
                 return
-            await self._wait_any()
 
     def _step(self) -> None:
         self._process_finished()
@@ -765,12 +798,15 @@ class TieringOffloadingManager(OffloadingManager):
             self._step()
 
     async def _wait_any(self) -> None:
-        futures = [j.future for j in self._jobs if j.future is not None]
+        """Wait until a job in flight finishes (or yield once if none is)."""
+        futures = [j.future for j in self._jobs if j.future is not None and not j.future.done()]
         if futures:
             await asyncio.wait(
                 [asyncio.wrap_future(f) for f in futures], return_when=asyncio.FIRST_COMPLETED
             )
-        await asyncio.sleep(0)
+        # A finished job's result reaches the queue from the I/O thread just after its future
+        # completes; yield briefly rather than spin on it.
+        await asyncio.sleep(0.0001 if not futures else 0)
 
     async def __aenter__(self) -> Self:
         await self.drain()

@@ -3,7 +3,9 @@
 ``BackendTests`` is the conformance suite for storage backends: subclass it in your own test
 module and implement ``make_backend`` (see :mod:`tiering.testing.backend_tests`).
 ``PolicyTests`` is the conformance suite for eviction policies: subclass it and override the
-``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`).
+``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`). ``ManagerTests`` is the
+conformance suite for scheduler-side managers (the protocol in :mod:`tiering.protocol`):
+subclass it and implement ``make_manager`` (see :mod:`tiering.testing.manager_tests`).
 
 The suites are imported on first use, so ``import tiering.testing`` works without pytest and
 nothing in the library proper pulls pytest in.
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tiering.testing.backend_tests import BackendTests
+    from tiering.testing.manager_tests import ManagerTests
     from tiering.testing.policy_tests import PolicyTests
 
-__all__ = ["BackendTests", "PolicyTests"]
+__all__ = ["BackendTests", "ManagerTests", "PolicyTests"]
 
 _SUITES = {
     "BackendTests": "tiering.testing.backend_tests",
+    "ManagerTests": "tiering.testing.manager_tests",
     "PolicyTests": "tiering.testing.policy_tests",
 }
 
