@@ -81,6 +81,10 @@ class _HasRows(Protocol):
     def rows_view(self) -> torch.Tensor: ...
 
 
+#: A finished job as the I/O thread queues it: what applies its result, the job, the result.
+_Finished = tuple[Callable[[TierJob, Any], None], TierJob, object]
+
+
 @dataclass
 class _PromotionBatch:
     """Keys one request found in secondary tiers, per tier index, not submitted yet."""
@@ -154,13 +158,9 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.attach(self._rows)
         self._io = IOLoop()
-        self._finished: queue.SimpleQueue[tuple[Callable[[TierJob, Any], None], TierJob]] = (
-            queue.SimpleQueue()
-        )
+        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._jobs: set[TierJob] = set()  # submitted, results not applied yet
-        self._done: list[
-            tuple[Callable[[TierJob, Any], None], TierJob]
-        ] = []  # finished, not applied
+        self._done: list[_Finished] = []  # finished, not applied yet
         self._next_seq = 0
         self._epoch = 0  # step-driven: on_schedule_end calls so far
         self._events: list[OffloadingEvent] = []
@@ -194,10 +194,18 @@ class TieringOffloadingManager(OffloadingManager):
         job.seq = self._next_seq
         job.epoch = self._epoch
         self._next_seq += 1
-        future = self._io.submit(job.io)
-        job.future = future
+        job.future = self._io.submit(self._run_job(job, on_done))
         self._jobs.add(job)
-        future.add_done_callback(lambda _f: self._finished.put((on_done, job)))
+
+    async def _run_job(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
+        """Run ``job.io`` on the I/O loop and queue its result before the job's future completes
+        (so a caller that sees the future done finds the result queued)."""
+        try:
+            result: object = await job.io
+        except BaseException as exc:  # the tiers return their failures; queue anything else too
+            self._finished.put((on_done, job, exc))
+            raise
+        self._finished.put((on_done, job, result))
 
     def _collect(self, block_until_all: float | None = None) -> None:
         """Move finished jobs from the I/O thread's queue to ``_done``. With
@@ -227,13 +235,8 @@ class TieringOffloadingManager(OffloadingManager):
                 ready = [d for d in self._done if d[1].epoch < before_epoch]
                 self._done = [d for d in self._done if d[1].epoch >= before_epoch]
             ready.sort(key=lambda item: item[1].seq)
-            for on_done, job in ready:
+            for on_done, job, result in ready:
                 self._jobs.discard(job)
-                assert job.future is not None
-                try:
-                    result = job.future.result()
-                except BaseException as exc:  # the jobs return their failures; be safe anyway
-                    result = exc
                 on_done(job, result)
         if self._waiting:
             self._start_waiting_promotions()
@@ -798,15 +801,14 @@ class TieringOffloadingManager(OffloadingManager):
             self._step()
 
     async def _wait_any(self) -> None:
-        """Wait until a job in flight finishes (or yield once if none is)."""
+        """Wait until a job in flight finishes (its result is queued by then)."""
         futures = [j.future for j in self._jobs if j.future is not None and not j.future.done()]
         if futures:
             await asyncio.wait(
                 [asyncio.wrap_future(f) for f in futures], return_when=asyncio.FIRST_COMPLETED
             )
-        # A finished job's result reaches the queue from the I/O thread just after its future
-        # completes; yield briefly rather than spin on it.
-        await asyncio.sleep(0.0001 if not futures else 0)
+        else:
+            await asyncio.sleep(0)
 
     async def __aenter__(self) -> Self:
         await self.drain()
