@@ -322,6 +322,10 @@ class OffloadingManager(ABC):
         each), their slots and the evicted keys; or None, with nothing changed but the offer
         counts, if not enough blocks can be evicted now (retry at a later step). Every key of
         the call is protected from eviction, including those already stored.
+
+        One exception: behind a write-back tier, evicting blocks the tier has not written yet
+        starts their write-back, and the call answers None until their slots are free; those
+        blocks are gone from the primary already (removed events say so).
         """
 
     @abstractmethod
