@@ -249,7 +249,8 @@ class TieringOffloadingManager(OffloadingManager):
         if self.step_driven:
             return
         other_request = bool(self._batches) and request_key(req_context) not in self._batches
-        self._process_finished()
+        if self._done or self._waiting or not self._finished.empty():
+            self._process_finished()
         if other_request:
             self._flush_promotions()
 
