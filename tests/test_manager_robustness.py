@@ -215,25 +215,27 @@ def test_a_tier_that_fails_to_open_is_degraded_and_the_others_serve(
 
 
 def test_arguments_of_the_wrong_type_are_typed_errors_and_change_nothing(rigs: list[Rig]) -> None:
-    rig = Rig([SecondaryTier(MemoryBackend(**backend_kwargs()), name="mem")], primary_blocks=4)
+    rig = Rig([SecondaryTier(MemoryBackend(**backend_kwargs()), name="mem")])
     rigs.append(rig)
     manager = rig.manager
     manager.wait_ready()
-    rig.store(k(1))
+    rig.store(k(1), k(2))
+    rig.store(k(3), k(4))  # 1 and 2 only in the tier: a lookup would queue their promotion
     before = (manager.metrics(), manager.take_events())
     with pytest.raises(InvalidKeyError, match="key must be an offload key"):
         manager.lookup_result(cast(OffloadKey, ["unhashable"]))
     with pytest.raises(InvalidKeyError, match="keys must be a collection"):
         manager.prepare_load(cast(list[OffloadKey], None))
     with pytest.raises(InvalidArgumentError, match="req_context"):
-        manager.lookup_result(k(9), req_context={"unhashable": True})  # k(9) would be counted
+        manager.lookup_result(k(1), req_context={"unhashable": True})  # nothing counted
     with pytest.raises(InvalidArgumentError, match="req_context"):
-        manager.lookup_prefix([k(9)], req_context=[1])
+        manager.lookup_prefix([k(3), k(2)], req_context=[1])
     with pytest.raises(InvalidArgumentError, match="success"):
-        manager.complete_store([k(1)], success=cast(bool, "no"))
+        manager.complete_store([k(3)], success=cast(bool, "no"))
     with pytest.raises(InvalidArgumentError, match="keys_per_group"):
         manager.lookup_request(SPEC, cast(list[list[OffloadKey]], "not a list of groups"), 32)
     assert (manager.metrics(), manager.take_events()) == before
+    assert manager.lookup_result(k(9), req_context={"unhashable": True}) is MISS  # no state kept
     with pytest.raises(ConfigurationError, match="step_driven"):
         TieringOffloadingManager(
             CPUOffloadingManager(2),

@@ -16,7 +16,8 @@ cost nothing when the types are right (a failed dict probe, one C pass over a ba
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -90,6 +91,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.num_blocks = num_blocks
         self.enable_events = enable_events
         self._slots: dict[OffloadKey, int] = {}  # every held key
+        self._slots_view = MappingProxyType(self._slots)
         self._not_ready: set[OffloadKey] = set()  # being written
         self._pins: dict[OffloadKey, int] = {}  # ready keys pinned by loads (count > 0)
         self._next_fresh_slot = 0
@@ -129,9 +131,14 @@ class CPUOffloadingManager(OffloadingManager):
     def slot_of(self, key: OffloadKey) -> int | None:
         return self._slots.get(key)
 
+    @property
+    def slots(self) -> Mapping[OffloadKey, int]:
+        """Every held key's slot (a read-only live view)."""
+        return self._slots_view
+
     # -- lookups ------------------------------------------------------------------------------
 
-    def lookup_result(self, key: OffloadKey, *, req_context: object = None) -> LookupResult:
+    def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
         """HIT if stored and ready, HIT_PENDING while being written, MISS if absent."""
         try:
             if key in self._slots:
@@ -143,7 +150,7 @@ class CPUOffloadingManager(OffloadingManager):
             check_key(key)
         return MISS
 
-    def lookup(self, key: OffloadKey, *, req_context: object = None) -> bool | None:
+    def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """True if stored and ready, False if absent, None while being written (retry later)."""
         # lookup_result() as a bool, written out: this is the engine's hottest call.
         try:

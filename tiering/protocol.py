@@ -194,9 +194,10 @@ class OffloadingManager(ABC):
     Requests
         ``req_context`` is opaque: any object the engine uses for a request. Where a manager
         keeps per-request state (promotion batches), it keys it by ``req_context.req_id`` if the
-        context has one, else by the context itself (:func:`request_key`). ``None`` is one
-        anonymous request. The request hooks (:meth:`on_new_request`,
-        :meth:`on_request_finished`) are optional for callers.
+        context has one, else by the context itself (:func:`request_key`); a context that gives
+        no hashable key is rejected there (InvalidArgumentError, before anything is counted),
+        and accepted where no state is kept. ``None`` is one anonymous request. The request
+        hooks (:meth:`on_new_request`, :meth:`on_request_finished`) are optional for callers.
     Steps
         An engine that calls :meth:`on_schedule_end` at the end of each scheduler step gets
         deterministic answers if its manager is *step driven*: results of background I/O and
@@ -213,7 +214,8 @@ class OffloadingManager(ABC):
     Errors
         Every call checks its arguments before touching state. A key that is not ``bytes`` (or
         an unhashable one) raises :class:`~tiering.errors.InvalidKeyError`; any other bad
-        argument, and a keyword argument passed by position, raises
+        argument, and a keyword-only argument passed by position (every ``req_context`` and
+        ``success`` but a lookup's ``req_context``), raises
         :class:`~tiering.errors.InvalidArgumentError`; both name the argument. Breaking the
         block lifecycle (loading a key that is not ready, completing a load that was not
         prepared) raises :class:`~tiering.errors.ProtocolError`. A call that raises changes
@@ -229,15 +231,19 @@ class OffloadingManager(ABC):
     # -- lookups ----------------------------------------------------------------------------------
 
     @abstractmethod
-    def lookup_result(self, key: OffloadKey, *, req_context: object = None) -> LookupResult:
+    def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
         """The exact state of ``key`` (see :class:`LookupResult`).
 
         A key found only in a secondary tier starts (or queues) its promotion into the primary
         and answers ``RETRY``. Raises InvalidKeyError for a key that is not ``bytes``; a
         ``bytes`` key too short to be an offload key is never stored, so it is a ``MISS``.
+
+        ``req_context`` may be given by position here (vLLM's order, and nothing else can be
+        mistaken for it): a keyword-only argument with a default costs every call ~14 ns in
+        CPython 3.11, a sixth of the CPU tier's whole lookup.
         """
 
-    def lookup(self, key: OffloadKey, *, req_context: object = None) -> bool | None:
+    def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """:meth:`lookup_result` as a bool: True for ``HIT``, False for ``MISS``, None for
         ``HIT_PENDING`` or ``RETRY`` (ask again later). Same effects and errors."""
         return AS_BOOL[self.lookup_result(key, req_context=req_context)]

@@ -317,12 +317,9 @@ class SecondaryTier:
             return TierKeyState.ABSENT
         return TierKeyState.READY
 
-    def lookup(self, key: bytes) -> TierKeyState:
-        """:meth:`state`, counting a READY answer as a lookup hit."""
-        state = self.state(key)
-        if state is TierKeyState.READY:
-            self.metrics.lookup_hits += 1
-        return state
+    def count_lookup_hit(self) -> None:
+        """A lookup that missed the primary found a key READY here."""
+        self.metrics.lookup_hits += 1
 
     def readable(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys a promotion could read now (READY)."""
@@ -341,12 +338,13 @@ class SecondaryTier:
     def start_store(
         self,
         keys: Sequence[bytes],
-        slots: Sequence[int],
+        slots: Mapping[bytes, int],
         *,
         lookup_counts: Mapping[bytes, int],
         req_context: object = None,
     ) -> TierJob | None:
-        """Take keys that just became ready in the primary (at ``slots``), by write policy.
+        """Take keys that just became ready in the primary (``slots[key]`` is the row of
+        each), by write policy.
 
         Write-through writes them now; selective write-through those looked up at least
         ``selective_min_lookups`` times (``lookup_counts``); write-back only notes them, to write
@@ -360,29 +358,26 @@ class SecondaryTier:
             return None
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             wanted = self.selective_min_lookups
-            chosen = [i for i, k in enumerate(keys) if lookup_counts.get(k, 0) >= wanted]
-            if not chosen:
+            keys = [k for k in keys if lookup_counts.get(k, 0) >= wanted]
+            if not keys:
                 return None
-            keys = [keys[i] for i in chosen]
-            slots = [slots[i] for i in chosen]
         return self._start_write("store", keys, slots, req_context)
 
     def start_write_back(
-        self, keys: Sequence[bytes], slots: Sequence[int], *, req_context: object = None
+        self, slots: Mapping[bytes, int], *, req_context: object = None
     ) -> TierJob | None:
-        """Write the keys the primary is evicting (from ``slots``) that this tier still owes;
-        None if it owes none or the write is shed (counted)."""
+        """Write the keys the primary is evicting (``slots[key]``: the row each still has) that
+        this tier still owes; None if it owes none or the write is shed (counted)."""
         if not self._dirty:
             return None
-        owed = [i for i, k in enumerate(keys) if k in self._dirty]
+        owed = [k for k in slots if k in self._dirty]
         if not owed:
             return None
-        owed_keys = [keys[i] for i in owed]
-        self._dirty.difference_update(owed_keys)
-        return self._start_write("write_back", owed_keys, [slots[i] for i in owed], req_context)
+        self._dirty.difference_update(owed)
+        return self._start_write("write_back", owed, slots, req_context)
 
     def _start_write(
-        self, kind: str, keys: Sequence[bytes], slots: Sequence[int], req_context: object
+        self, kind: str, keys: Sequence[bytes], slots: Mapping[bytes, int], req_context: object
     ) -> TierJob | None:
         """The one store job: shed over the bound, reserve room (evicting), build the write."""
         if not self.has_capacity_for_job:
@@ -395,9 +390,8 @@ class SecondaryTier:
         to_write, victims = reserved
         if not to_write:
             return None
-        slot_of = dict(zip(keys, slots, strict=True))
         self.metrics.store_jobs += 1
-        return self._write_job(kind, to_write, [slot_of[k] for k in to_write], victims, req_context)
+        return self._write_job(kind, to_write, [slots[k] for k in to_write], victims, req_context)
 
     def _write_job(
         self,

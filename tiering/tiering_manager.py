@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self, cast
@@ -75,6 +75,8 @@ from tiering.protocol import (
 from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
 
 __all__ = ["TieringOffloadingManager"]
+
+ABSENT = TierKeyState.ABSENT
 
 
 class _HasRows(Protocol):
@@ -161,6 +163,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._jobs: set[TierJob] = set()  # submitted, results not applied yet
         self._done: list[_Finished] = []  # finished, not applied yet
+        self._results_queued = False  # set by the I/O thread: the queue may hold results
         self._next_seq = 0
         self._epoch = 0  # step-driven: on_schedule_end calls so far
         self._events: list[OffloadingEvent] = []
@@ -204,13 +207,16 @@ class TieringOffloadingManager(OffloadingManager):
             result: object = await job.io
         except BaseException as exc:  # the tiers return their failures; queue anything else too
             self._finished.put((on_done, job, exc))
+            self._results_queued = True
             raise
         self._finished.put((on_done, job, result))
+        self._results_queued = True  # after the put: the caller clears it before draining
 
     def _collect(self, block_until_all: float | None = None) -> None:
         """Move finished jobs from the I/O thread's queue to ``_done``. With
         ``block_until_all`` (a deadline, or ``inf``), wait until every job in flight is there."""
         finished, done = self._finished, self._done
+        self._results_queued = False  # before draining: a result queued later sets it again
         while not finished.empty():  # cheap when idle: no exception per protocol call
             done.append(finished.get_nowait())
         if block_until_all is None:
@@ -248,8 +254,8 @@ class TieringOffloadingManager(OffloadingManager):
             raise TieringError("the manager is shut down")
         if self.step_driven:
             return
-        other_request = bool(self._batches) and request_key(req_context) not in self._batches
-        if self._done or self._waiting or not self._finished.empty():
+        other_request = request_key(req_context) not in self._batches if self._batches else False
+        if self._results_queued or self._done or self._waiting:
             self._process_finished()
         if other_request:
             self._flush_promotions()
@@ -273,13 +279,18 @@ class TieringOffloadingManager(OffloadingManager):
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def lookup_result(self, key: OffloadKey, *, req_context: object = None) -> LookupResult:
+    def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
         """HIT if ready in the primary; HIT_PENDING while written (into the primary, or into a
         tier below it); RETRY while promoted from a secondary tier (a promotion this call may
         start or queue); MISS if in no tier."""
         if type(key) is not bytes:
             check_key(key)
-        self._begin_call(req_context)
+        if (
+            self._closed
+            or not self.step_driven
+            and (self._batches or self._results_queued or self._done or self._waiting)
+        ):
+            self._begin_call(req_context)
         answer = self.primary.lookup_result(key)
         if answer is HIT:
             return HIT
@@ -287,11 +298,16 @@ class TieringOffloadingManager(OffloadingManager):
             return RETRY if key in self._promoting else HIT_PENDING
         return self._lookup_below(key, req_context)
 
-    def lookup(self, key: OffloadKey, *, req_context: object = None) -> bool | None:
+    def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
         if type(key) is not bytes:
             check_key(key)
-        self._begin_call(req_context)
+        if (
+            self._closed
+            or not self.step_driven
+            and (self._batches or self._results_queued or self._done or self._waiting)
+        ):
+            self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
         answer = self.primary.lookup(key)
         if answer is not False:
             return answer
@@ -303,17 +319,20 @@ class TieringOffloadingManager(OffloadingManager):
             return RETRY
         if not self.tiers:
             return MISS
-        owner = request_key(req_context)  # checked before anything is counted
-        if self._counts_lookups:
-            self._count_lookup(key)
-        state, index = self._tier_lookup(key)
+        state, index = self._tier_state(key)
         if state is TierKeyState.READY:
+            owner = request_key(req_context)  # checked before anything is counted
+            self.tiers[index].count_lookup_hit()
+            if self._counts_lookups:
+                self._count_lookup(key)
             if key in self._batched:
                 if not self.step_driven:
                     self._flush_promotions()  # asked again: stop batching, start it now
                 return RETRY
             self._batch_promotion(key, index, req_context, owner)
             return RETRY
+        if self._counts_lookups:
+            self._count_lookup(key)
         return HIT_PENDING if state is TierKeyState.WRITING else MISS
 
     def lookup_prefix(
@@ -390,10 +409,11 @@ class TieringOffloadingManager(OffloadingManager):
             return KeyState.PENDING
         if self._counts_lookups:
             self._count_lookup(key)
-        state, index = self._tier_lookup(key)
+        state, index = self._tier_state(key)
         if state is TierKeyState.ABSENT:
             return KeyState.ABSENT
         if state is TierKeyState.READY:
+            self.tiers[index].count_lookup_hit()
             promotable[key] = index
         return KeyState.PENDING
 
@@ -408,12 +428,13 @@ class TieringOffloadingManager(OffloadingManager):
                 return tier.medium
         return None
 
-    def _tier_lookup(self, key: bytes) -> tuple[TierKeyState, int]:
+    def _tier_state(self, key: bytes) -> tuple[TierKeyState, int]:
+        """The first tier that knows ``key``, without side effects."""
         for index, tier in enumerate(self.tiers):
-            state = tier.lookup(key)
-            if state is not TierKeyState.ABSENT:
+            state = tier.state(key)
+            if state is not ABSENT:
                 return state, index
-        return TierKeyState.ABSENT, -1
+        return ABSENT, -1
 
     def _count_lookup(self, key: bytes) -> None:
         self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
@@ -592,8 +613,7 @@ class TieringOffloadingManager(OffloadingManager):
         ready = [k for k in fresh if lookup(k) is True]
         if not ready:
             return
-        slot_of = primary.slot_of
-        slots = cast("list[int]", [slot_of(k) for k in ready])  # ready: every key has a slot
+        slots = cast("Mapping[bytes, int]", primary.slots)
         for tier in self.tiers:
             job = tier.start_store(
                 ready, slots, lookup_counts=self._lookup_counts, req_context=req_context
@@ -632,11 +652,10 @@ class TieringOffloadingManager(OffloadingManager):
         self, victims: list[tuple[OffloadKey, int]], req_context: object
     ) -> set[int]:
         """Start writing dirty victims to their write-back tiers; keep their slots until done."""
-        keys = [k for k, _ in victims]
-        slots = [s for _, s in victims]
+        slots: dict[bytes, int] = dict(victims)
         retained: set[int] = set()
         for tier in self._write_back_tiers:
-            job = tier.start_write_back(keys, slots, req_context=req_context)
+            job = tier.start_write_back(slots, req_context=req_context)
             if job is not None:
                 retained.update(job.slots)
                 self._run_store_job(job)
