@@ -30,9 +30,9 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# TIERING_REQUIRE_VLLM: the adapter tests fail (not skip) if vLLM is missing from the venv.
+# REQUIRE_VLLM_TESTS: the adapter tests fail (not skip) if vLLM is missing from the venv.
 pytest: install
-	TIERING_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	REQUIRE_VLLM_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
