@@ -318,6 +318,7 @@ def test_the_fingerprint_covers_every_input_that_changes_a_rows_bytes() -> None:
         "pp": {"parallel": dataclasses.replace(config.parallel, pp_size=2, world_size=2)},
         "pcp": {"parallel": dataclasses.replace(config.parallel, pcp_size=2)},
         "dcp": {"parallel": dataclasses.replace(config.parallel, dcp_size=2)},
+        "world_size": {"parallel": dataclasses.replace(config.parallel, world_size=2)},
         "rank": {"parallel": dataclasses.replace(config.parallel, rank=1, world_size=2)},
         "canonical": {"canonical_layout": True},
         "kv_cache_layout": {"kv_cache_layout": "HND"},
