@@ -387,7 +387,7 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
     config = tmp_path / "tiering.yaml"
     config.write_text(
         "version: 1\n"
-        "primary: {capacity: 1MiB}\n"
+        "primary: {capacity: 4096}\n"  # required by the format; not used under vLLM
         "secondary_tiers:\n"
         f"  - {{name: disk, type: file, capacity: {16 * SLOT_BYTES}, path: ./disk}}\n"
         f"  - {{name: other, type: file, capacity: {16 * SLOT_BYTES}, path: ./other}}\n"
