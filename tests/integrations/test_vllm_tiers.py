@@ -493,3 +493,45 @@ def test_tiering_imports_and_works_without_vllm() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "adapter: ModuleNotFoundError"
     assert Medium.STORAGE.value == "STORAGE"
+
+
+def test_stores_over_max_inflight_jobs_are_shed_and_reported(
+    drivers: list[ManagerDriver],
+) -> None:
+    from gated_backend import GatedMemoryBackend
+
+    GatedMemoryBackend.gate.clear()
+    tier = {
+        "type": "tiering",
+        "backend": "gated_backend:GatedMemoryBackend",
+        "name": "gated",
+        "capacity": "1MiB",
+        "max_inflight_jobs": 1,
+    }
+    driver = start(drivers, [tier])
+    gated = tier_named(driver, "gated")
+    a, b = keys_for("a", 2), keys_for("b", 2)
+    first, second = driver.new_request("r1"), driver.new_request("r2")
+    for context, keys in ((first, a), (second, b)):
+        with driver.manager.lock:
+            out = driver.manager.prepare_store(keys, context)
+            assert out is not None
+    driver.end_step()
+    with driver.manager.lock:
+        driver.manager.complete_store(a, first)  # cascades: the write waits at the gate
+        driver.manager.complete_store(b, second)  # the tier is full of writes: shed
+    assert gated.has_pending_work()
+    GatedMemoryBackend.gate.set()
+    driver.drain_tiers()  # the write finishes while the model runs
+    context = driver.new_request("r3")
+    assert driver.lookup(context, a + b) == [HIT] * 4  # the step collects both jobs
+    assert not gated.has_pending_work()
+    assert [gated.lookup(k, context) for k in a + b] == [HIT, HIT, MISS, MISS]
+    with driver.manager.lock:
+        stats = driver.manager.get_stats()
+    assert stats is not None
+    _, values = stats.metric_sections()
+    assert values[TieringTierMetrics.SHED_BLOCKS] == {("gated",): 2}
+    assert values[TieringTierMetrics.STORED_BLOCKS] == {("gated",): 2}
+    # vLLM's manager counts the shed store as a failed cascade of this tier.
+    assert values["vllm:kv_offload_tiering_cascade_job_failures"] == {("1:tiering",): 1}

@@ -35,8 +35,10 @@ What the tier does
 Lookups answer ``HIT`` for a key written and acknowledged, ``RETRY`` while its write is in
 flight, ``MISS`` otherwise (absent, or quarantined for ``quarantine_seconds`` after a read that
 failed with an I/O error). A read that finds a block corrupt or gone drops the key (a removal
-event); the failed keys of a promotion are reported, the others kept. Over ``max_inflight_jobs``
-store jobs in flight, further stores are shed and reported failed; promotions always run.
+event); the failed keys of a promotion are reported, the others kept. While ``max_inflight_jobs``
+store jobs are still writing, further stores are shed and reported failed (vLLM's manager keeps
+a store's CPU rows pinned until it completes, so an unbounded queue would stall the CPU tier);
+promotions always run.
 vLLM cascades every block stored in its CPU tier to every tier, so ``write_policy`` can only be
 ``write_through``.
 """
@@ -180,7 +182,6 @@ class TieringSecondaryTier(SecondaryTierManager):
             maxsize=65536, ttl=settings.quarantine_seconds, timer=time.monotonic
         )
         self._jobs: dict[int, _Job] = {}
-        self._store_jobs_in_flight = 0
         self._stats = OffloadingConnectorStats()
         self._label = (self.name,)
         self._closed = False
@@ -222,7 +223,7 @@ class TieringSecondaryTier(SecondaryTierManager):
         if not to_write:
             self._start(job_metadata.job_id, True, [], [], [], [])
             return
-        if self._store_jobs_in_flight >= self.settings.max_inflight_jobs:
+        if self._stores_in_flight() >= self.settings.max_inflight_jobs:
             self._stats.increase_counter(TieringTierMetrics.SHED_BLOCKS, len(to_write), self._label)
             self._start(job_metadata.job_id, True, [], to_write, [], [])
             return
@@ -345,6 +346,10 @@ class TieringSecondaryTier(SecondaryTierManager):
         start = chunk_id * self._row_bytes
         return self._region[start : start + self._chunk_bytes]
 
+    def _stores_in_flight(self) -> int:
+        """Store jobs whose writes the backend has not finished (the tier's I/O queue depth)."""
+        return sum(1 for j in self._jobs.values() if j.is_store and j.keys and not j.future.done())
+
     def _evict_for(self, count: int, protected: Sequence[bytes]) -> list[bytes] | None:
         """Make room for ``count`` new keys; the victims, already gone from the index."""
         capacity = self.backend.capacity_blocks
@@ -373,8 +378,6 @@ class TieringSecondaryTier(SecondaryTierManager):
     ) -> None:
         if job_id in self._jobs:
             raise ProtocolError(f"tier {self.name!r}: job {job_id} was submitted twice")
-        if is_store and keys:
-            self._store_jobs_in_flight += 1
         coro = self._write(keys, rows, victims) if is_store else self._read(keys, rows)
         self._jobs[job_id] = _Job(job_id, is_store, keys, failed_keys, self._io.submit(coro))
 
@@ -400,8 +403,6 @@ class TieringSecondaryTier(SecondaryTierManager):
 
     def _finish_store(self, job: _Job) -> JobResult:
         outcomes, elapsed_s = job.future.result()
-        if job.keys:
-            self._store_jobs_in_flight -= 1
         published = []
         for key, outcome in zip(job.keys, outcomes, strict=True):
             self._writing.discard(key)
