@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_harness import (
     BLOCK_SIZE,
+    ENGINE_ID_PREFIX,
     EngineDriver,
     EventRecord,
     ManagerDriver,
@@ -56,9 +56,10 @@ def registered() -> None:
 @pytest.fixture(autouse=True)
 def no_region_left_behind() -> Iterator[None]:
     """Every engine a test starts releases its CPU region (a file in /dev/shm)."""
-    before = set(Path("/dev/shm").glob("vllm_offload_tiering-test-*"))
+    pattern = f"vllm_offload_{ENGINE_ID_PREFIX}*"
+    before = set(Path("/dev/shm").glob(pattern))
     yield
-    assert set(Path("/dev/shm").glob("vllm_offload_tiering-test-*")) <= before
+    assert set(Path("/dev/shm").glob(pattern)) <= before
 
 
 def file_tier(root: Path, name: str = "nvme", blocks: int = 16, **keys: Any) -> dict[str, Any]:
@@ -433,7 +434,7 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
     ],
 )
 def test_a_bad_tier_entry_is_a_config_error_naming_it(entry: dict[str, Any], message: str) -> None:
-    engine_id = f"tiering-test-bad-{os.getpid()}-{abs(hash(json.dumps(entry)))}"
+    engine_id = f"{ENGINE_ID_PREFIX}bad-{abs(hash(json.dumps(entry)))}"
     config = offloading_config(
         tiering_spec_extra(CPU_CHUNKS, [{"type": "tiering", **entry}]), engine_id=engine_id
     )

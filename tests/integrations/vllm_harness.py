@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 MODEL_DIR = Path(__file__).resolve().parent / "data" / "tiny-llama"
+#: Engine ids (and so CPU regions, /dev/shm/vllm_offload_<id>.mmap) of this test process.
+ENGINE_ID_PREFIX = f"tiering-test-{os.getpid()}-"
 BLOCK_SIZE = 16  # tokens per GPU block (and per offloaded chunk: blocks_per_chunk is 1)
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 _KV_HEADS, _HEAD_SIZE = 2, 16  # as data/tiny-llama/config.json
@@ -120,7 +123,7 @@ def vllm_config(
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
-        engine_id=engine_id or f"tiering-test-{uuid.uuid4().hex}",
+        engine_id=engine_id or f"{ENGINE_ID_PREFIX}{uuid.uuid4().hex}",
         kv_connector_extra_config=dict(extra_config),
     )
     config = VllmConfig(
