@@ -57,6 +57,7 @@ from tiering.registry import (
 )
 from tiering.tier import SecondaryTier, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
+from tiering.transfer import CopyBackend
 
 __all__ = [
     "BUILTIN_TRACES",
@@ -134,6 +135,10 @@ class PrimaryConfig:
     capacity_bytes: int = field(metadata={"key": "capacity", "doc": "byte budget of the CPU pool"})
     policy: str = field(
         default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
+    )
+    copy_backend: CopyBackend = field(
+        default="auto",
+        metadata={"doc": "how workers copy KV blocks to and from the pool (tiering.transfer)"},
     )
 
 

@@ -70,14 +70,16 @@ class ModelShape:
         return KVCacheSpec(groups, hash_block_size, block_size_factor)
 
     def allocate(
-        self, num_blocks: int, spec: KVCacheSpec
+        self, num_blocks: int, spec: KVCacheSpec, device: torch.device | str = "cpu"
     ) -> tuple[dict[str, torch.Tensor], CanonicalKVCaches]:
-        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks and register them."""
+        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks on ``device`` and register
+        them."""
         positions = self.layers_per_position
         tensors = [
             torch.zeros(
                 (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
                 dtype=self.torch_dtype,
+                device=device,
             )
             for _ in range(positions)
         ]

@@ -41,11 +41,11 @@ from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
 from tiering.model_shapes import get_model_shape
 from tiering.policies import get_policy_class
-from tiering.pool import KVBlockCopier
 from tiering.replay.belady import simulate
 from tiering.replay.progress import ProgressBar
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine
 from tiering.replay.traces import Request, builtin_trace, read_jsonl
+from tiering.transfer import TransferEngine
 
 __all__ = ["ReplayOptions", "configure_parser", "load_trace", "policy_study", "run_replay"]
 
@@ -60,6 +60,7 @@ class ReplayOptions:
     verify: bool = True
     overlap: bool = False
     progress: bool = True
+    device: str = "cpu"  # where the simulated engine's KV caches live: "cpu" or "cuda[:N]"
 
 
 def load_trace(trace: str, scale: str, seed: int, base_dir: Path | None = None) -> list[Request]:
@@ -111,7 +112,8 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
     if options.max_requests is not None:
         requests = requests[: options.max_requests]
 
-    kv_tensors, caches = shape.allocate(options.engine_blocks, spec)
+    device = _kv_device(options.device)
+    kv_tensors, caches = shape.allocate(options.engine_blocks, spec, device)
     # The bytes come from the tensors really allocated; they must agree with what the tiers
     # were configured (and fingerprinted) for.
     world_size = config.model.world_size
@@ -128,13 +130,15 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
     manager = build_manager(config, block_bytes=block_bytes, fingerprint=fingerprint, pool=pool)
     results: list[RequestResult] = []
     started = time.perf_counter()
+    transfers: TransferEngine | None = None
     try:
         manager.wait_ready()
+        transfers = TransferEngine(caches, pool, copy_backend=config.primary.copy_backend)
         engine = SimulatedEngine(
             manager,
             spec,
             caches,
-            KVBlockCopier(caches, pool),
+            transfers,
             PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm),
             verify=options.verify,
         )
@@ -152,11 +156,37 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
         report = _report(config, options, shape.name, block_bytes, cpu_blocks, manager, results)
         report["wall_s"] = round(wall_s, 3)
         report["verify_failures"] = engine.verify_failures
+        report["device"] = str(device)
+        report["copy_strategy"] = transfers.strategy.name
         return report
     finally:
+        if transfers is not None:
+            transfers.close()
         manager.shutdown()
         pool.close()
         del kv_tensors
+
+
+def _kv_device(name: str) -> torch.device:
+    """The device for the simulated engine's KV caches; a clear error if it does not exist."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"--device {name!r}: the replay puts KV caches on cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {name!r} needs CUDA, but torch {torch.__version__} sees no CUDA device"
+        )
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cuda", index)
 
 
 def _report(
@@ -367,6 +397,12 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, help="trace seed")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--engine-blocks", type=int, help="engine KV-cache blocks to allocate")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the simulated engine's KV caches live: cpu (default) or cuda[:N]; with "
+        "cuda the whole GPU <-> CPU data path runs (copy strategy: primary.copy_backend)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip checking loaded bytes")
     parser.add_argument(
         "--overlap", action="store_true", help="let tier I/O run behind later requests"
@@ -414,6 +450,7 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         verify=options.verify and not args.no_verify,
         overlap=args.overlap,
         progress=not args.no_progress and not args.json,
+        device=args.device,
     )
 
 

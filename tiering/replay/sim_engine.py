@@ -21,10 +21,10 @@ from tiering.errors import TieringError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.layout import CanonicalKVCaches
-from tiering.pool import KVBlockCopier, PoolTransfer
 from tiering.replay.traces import Request
 from tiering.store_plan import NULL_BLOCK_ID, plan_store
 from tiering.tiering_manager import TieringOffloadingManager
+from tiering.transfer import PoolTransfer, TransferEngine, TransferHandle
 
 __all__ = ["RequestResult", "SimulatedEngine"]
 
@@ -62,8 +62,10 @@ def _window_engine_blocks(group: KVCacheGroup) -> int | None:
 class SimulatedEngine:
     """Runs requests against a manager, with ``num_engine_blocks`` blocks of engine KV cache.
 
-    ``caches`` are the engine's registered KV tensors (see ``ModelShape.allocate``); ``pool`` the
-    manager's CPU pool. Block id 0 is the null block, never allocated.
+    ``caches`` are the engine's registered KV tensors (see ``ModelShape.allocate``), on CPU or
+    CUDA; ``transfers`` moves their blocks to and from the manager's CPU pool. Each copy is
+    waited for before the manager hears of it (``complete_load`` / ``complete_store``), so
+    results do not depend on timing. Block id 0 is the null block, never allocated.
     """
 
     def __init__(
@@ -71,7 +73,7 @@ class SimulatedEngine:
         manager: TieringOffloadingManager,
         spec: KVCacheSpec,
         caches: CanonicalKVCaches,
-        copier: KVBlockCopier,
+        transfers: TransferEngine,
         hasher: PrefixHasher,
         *,
         max_lookup_retries: int = 8,
@@ -80,7 +82,7 @@ class SimulatedEngine:
         self.manager = manager
         self.spec = spec
         self.caches = caches
-        self.copier = copier
+        self.transfers = transfers
         self.hasher = hasher
         self.max_lookup_retries = max_lookup_retries
         self.verify = verify
@@ -202,10 +204,11 @@ class SimulatedEngine:
                 ids = tables[g][load_first[g] * factor : hit_blocks[g] * factor]
                 engine_ids.extend(ids)
                 sizes.append(len(ids))
-            result = self.copier.load(PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots))
+            load = PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots)
+            handle = self._finish(self.transfers.submit_load(load))
             self.manager.complete_load(load_keys, request.request_id)
             blocks_loaded = len(load_keys)
-            bytes_loaded = result.bytes_copied
+            bytes_loaded = handle.bytes
             if self.verify:
                 self._verify_loaded(keys, tables, load_first, hit_blocks)
         load_s = time.perf_counter() - start
@@ -232,10 +235,10 @@ class SimulatedEngine:
                 out.store_spec.block_ids,
                 factor,
             )
-            result = self.copier.store(transfer)
+            handle = self._finish(self.transfers.submit_store(transfer))
             self.manager.complete_store(out.keys_to_store, True, request.request_id)
             blocks_stored = len(out.keys_to_store)
-            bytes_stored = result.bytes_copied
+            bytes_stored = handle.bytes
         store_s = time.perf_counter() - start
         self._release(tables)
         return RequestResult(
@@ -254,6 +257,15 @@ class SimulatedEngine:
             store_s=store_s,
             store_refused=out is None,
         )
+
+    def _finish(self, handle: TransferHandle) -> TransferHandle:
+        """Wait for a copy; a failed copy stops the replay (its blocks are not what they claim)."""
+        self.transfers.wait(handle)
+        if handle.error is not None:
+            raise TieringError(
+                f"{handle.direction} job {handle.job_id} failed: {handle.error}"
+            ) from handle.error
+        return handle
 
     def _verify_loaded(
         self,
