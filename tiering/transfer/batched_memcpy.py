@@ -7,11 +7,10 @@ on 32 KiB pages and falls to 0.05-0.3 on pages of 4-16 KiB, and the call itself 
 caller for 1-47 ms on large jobs: the ``triton`` strategy is preferred where it works.
 
 The function is looked up with ``cuGetProcAddress`` at the 12.8 ABI (whose last argument
-before the stream is ``failIdx``); ``libcuda.so.1`` is loaded with ctypes, so neither
-``cuda-python`` nor a CUDA toolkit is needed. Stores keep stream order for their sources (the
-engine's compute stream writes the KV they read); loads let the driver read the pool rows in
-any order, since nothing writes a row while a load of it is in flight (the scheduler loads
-only blocks whose store completed).
+before the stream is ``failIdx``) in ``libcuda.so.1`` (:mod:`tiering.transfer.cuda_driver`).
+Stores keep stream order for their sources (the engine's compute stream writes the KV they
+read); loads let the driver read the pool rows in any order, since nothing writes a row while
+a load of it is in flight (the scheduler loads only blocks whose store completed).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from tiering.errors import BackendError, ConfigurationError
+from tiering.transfer.cuda_driver import driver_library, driver_version
 from tiering.transfer.plan import CopyPlan, PoolGeometry
 from tiering.transfer.strategy import CopyStrategy
 
@@ -73,17 +73,14 @@ class BatchedMemcpyEntry:
 @functools.cache
 def find_batched_memcpy() -> BatchedMemcpyEntry:
     """Look the driver function up once; never raises."""
-    if not torch.cuda.is_available():
-        return BatchedMemcpyEntry(None, "no CUDA device")
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        return BatchedMemcpyEntry(None, f"cannot load libcuda.so.1: {exc}")
-    version = ctypes.c_int(0)
-    if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:
+    driver, why_not = driver_library()
+    if driver is None:
+        return BatchedMemcpyEntry(None, why_not)
+    version = driver_version()
+    if version is None:
         return BatchedMemcpyEntry(None, "cuDriverGetVersion failed")
-    found = f"{version.value // 1000}.{version.value % 1000 // 10}"
-    if version.value < _MIN_DRIVER_VERSION:
+    found = f"{version // 1000}.{version % 1000 // 10}"
+    if version < _MIN_DRIVER_VERSION:
         return BatchedMemcpyEntry(None, f"the driver supports CUDA {found}; it needs 12.8")
     pointer = ctypes.c_void_p(0)
     status = ctypes.c_int(0)

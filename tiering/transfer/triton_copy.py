@@ -8,12 +8,16 @@ table of (engine offset, pool offset, length) per chunk goes to the device with 
 Measured on an H100 (issue 10), such a kernel holds 0.8-0.95 of the PCIe limit for pages of
 4 KiB to 64 KiB, where the batched memcpy API falls to 0.05-0.3 below 16 KiB.
 
-Addresses are a base pointer per side plus int64 offsets: ``engine_base`` is the lowest
-canonical tensor and ``pool_base`` this rank's part of row 0 (Triton's launcher turns the
-pinned host pointer into the device's view of it, and refuses pageable memory). Offsets count
-words of the widest of 8, 4, 2 or 1 bytes that divides every address, page, stride and run of
-the layout; the kernel is told when all of them are 16-byte aligned so that it can move 16
-bytes per access. The kernel is persistent: ``max_programs`` programs (default 32, a fraction
+Addresses are one base pointer plus int64 offsets: the base is the canonical tensor with the
+lowest address, and every engine and pool address is an offset from it (pool rows are reached
+at their host address, which unified addressing makes a device address: always for torch's
+pinned memory, and for a registered shared pool where the device reports
+``CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM``, which is checked). This is what the kernel
+measured in issue 10 did with raw addresses, in a form Triton's interpreter also runs. Offsets
+count words of the widest of 8, 4, 2 or 1 bytes that divides every address, page, stride and
+run of the layout; the kernel is told when all of them are 16-byte aligned so that it can move
+16 bytes per access. Both directions are one compiled kernel: the table says which side is the
+source. The kernel is persistent: ``max_programs`` programs (default 32, a fraction
 of a large GPU's SMs, so compute keeps the rest) take chunks in turn.
 
 On CPU caches the same kernel runs in Triton's interpreter (numpy over the real addresses):
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from tiering.errors import ConfigurationError
+from tiering.transfer.cuda_driver import host_pointer_is_device_pointer
 from tiering.transfer.plan import CopyPlan, PoolGeometry
 from tiering.transfer.strategy import CopyStrategy
 
@@ -104,6 +109,17 @@ class TritonPageCopy(CopyStrategy):
             )
         if device.type not in ("cuda", "cpu"):
             raise ConfigurationError(f"copy_backend='triton' needs CUDA KV caches, not {device}")
+        if (
+            device.type == "cuda"
+            and geometry.pool.is_shared
+            and not host_pointer_is_device_pointer(
+                torch.cuda.current_device() if device.index is None else device.index
+            )
+        ):
+            raise ConfigurationError(
+                "copy_backend='triton' cannot reach the shared pool: this device does not use "
+                "host pointers of registered memory as device pointers"
+            )
         super().__init__(geometry)
         self.word_bytes = _word_bytes(geometry)
         self.max_programs = max_programs
@@ -112,9 +128,10 @@ class TritonPageCopy(CopyStrategy):
         self._block = min(_BLOCK_BYTES // self.word_bytes, _pow2_at_least(self._longest_words()))
         addresses = [geometry.tensor_address(t) for t in range(geometry.num_tensors)]
         anchor = int(np.argmin(addresses))
-        self._engine_base = _word_pointer(geometry.caches.tensors[anchor].tensor, self.word_bytes)
-        self._engine_start = np.array(addresses, dtype=np.int64) - addresses[anchor]
-        self._pool_base = _word_pointer(geometry.rows, self.word_bytes)
+        self._base = _word_pointer(geometry.caches.tensors[anchor].tensor, self.word_bytes)
+        base_address = addresses[anchor]
+        self._engine_start = np.array(addresses, dtype=np.int64) - base_address
+        self._pool_start = geometry.rows_address - base_address
         if device.type == "cuda":
             self._kernel: Any = kernel.copy_chunks
             self._lock: threading.Lock | None = None
@@ -132,30 +149,23 @@ class TritonPageCopy(CopyStrategy):
         )
 
     def _compile(self) -> None:
-        """Compile both directions now (a launch with no chunk), so no job waits for it."""
+        """Compile the kernel now (a launch with no chunk), so that no job waits for it."""
         empty = torch.zeros(3, dtype=torch.int64, device=self.geometry.device)
         with torch.cuda.device(self.geometry.device):
-            for to_pool in (True, False):
-                self._launch(empty, 0, to_pool)
+            self._launch(empty, 0)
 
-    def _launch(self, table: torch.Tensor, num_chunks: int, to_pool: bool) -> None:
+    def _launch(self, table: torch.Tensor, num_chunks: int) -> None:
         grid = (max(1, min(num_chunks, self.max_programs)),)
-        self._kernel[grid](
-            self._engine_base,
-            self._pool_base,
-            table,
-            num_chunks,
-            TO_POOL=to_pool,
-            BLOCK=self._block,
-            ALIGN=self._align,
-        )
+        self._kernel[grid](self._base, table, num_chunks, BLOCK=self._block, ALIGN=self._align)
 
     def chunk_table(self, plan: CopyPlan) -> np.ndarray:
-        """``(3, num_chunks)`` int64: engine word offset, pool word offset, length in words."""
+        """``(3, num_chunks)`` int64: source and destination word offsets from the base pointer,
+        and length in words."""
         runs = plan.runs
         word = self.word_bytes
         engine = (self._engine_start[runs.tensor_idx] + runs.engine_offset) // word
-        pool = runs.pool_offset // word
+        pool = (self._pool_start + runs.pool_offset) // word
+        src, dst = (engine, pool) if plan.to_pool else (pool, engine)
         words = runs.nbytes // word
         chunk = self._chunk_words
         per_run = -(-words // chunk)
@@ -163,8 +173,8 @@ class TritonPageCopy(CopyStrategy):
         first_chunk = np.repeat(np.cumsum(per_run) - per_run, per_run)
         skip = (np.arange(len(run)) - first_chunk) * chunk
         table = np.empty((3, len(run)), dtype=np.int64)
-        table[0] = engine[run] + skip
-        table[1] = pool[run] + skip
+        table[0] = src[run] + skip
+        table[1] = dst[run] + skip
         table[2] = np.minimum(chunk, words[run] - skip)
         return table
 
@@ -176,10 +186,10 @@ class TritonPageCopy(CopyStrategy):
         if self._lock is None:
             device_table = host.pin_memory().to(self.geometry.device, non_blocking=True)
             with torch.cuda.device(self.geometry.device):
-                self._launch(device_table, table.shape[1], plan.to_pool)
+                self._launch(device_table, table.shape[1])
             return device_table
         with self._lock:
-            self._launch(host, table.shape[1], plan.to_pool)
+            self._launch(host, table.shape[1])
         return None
 
 

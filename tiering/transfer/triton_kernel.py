@@ -12,33 +12,24 @@ from triton.runtime.interpreter import InterpretedFunction
 __all__ = ["copy_chunks", "interpreted_copy_chunks"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # one compiled kernel for every job size
 def copy_chunks(
-    engine_base: Any,
-    pool_base: Any,
+    base: Any,
     table: Any,
     num_chunks: Any,
-    TO_POOL: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
 ) -> None:
     """Program ``p`` copies chunks ``p, p + P, ...`` (``P`` programs): chunk ``c`` is
-    ``table[2, c]`` words from word ``table[0, c]`` after ``engine_base`` and word
-    ``table[1, c]`` after ``pool_base``; ``TO_POOL`` says which side is the source. Every
-    offset and length is a multiple of ``ALIGN`` words."""
+    ``table[2, c]`` words from word ``table[0, c]`` to word ``table[1, c]``, both counted from
+    ``base`` (either may be negative). Every offset and length is a multiple of ``ALIGN``."""
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     for chunk in range(program, num_chunks, programs):
-        engine = tl.multiple_of(tl.load(table + chunk), ALIGN)
-        pool = tl.multiple_of(tl.load(table + num_chunks + chunk), ALIGN)
+        src = base + tl.multiple_of(tl.load(table + chunk), ALIGN)
+        dst = base + tl.multiple_of(tl.load(table + num_chunks + chunk), ALIGN)
         words = tl.multiple_of(tl.load(table + 2 * num_chunks + chunk), ALIGN)
-        if TO_POOL:
-            src = engine_base + engine
-            dst = pool_base + pool
-        else:
-            src = pool_base + pool
-            dst = engine_base + engine
         for start in range(0, words, BLOCK):
             offsets = start + lanes
             mask = offsets < words
