@@ -17,7 +17,7 @@ continue each other are one run, so a cross-layer block copies as one range.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -223,6 +223,17 @@ class _GroupRuns:
     nbytes: np.ndarray
     skips_null: bool
 
+    def columns(self) -> list[tuple[int, int, int]]:
+        """Per run: (tensor, offset in the page, length)."""
+        return list(
+            zip(
+                self.tensor_idx.tolist(),
+                self.page_offset.tolist(),
+                self.nbytes.tolist(),
+                strict=True,
+            )
+        )
+
 
 class TransferPlanner:
     """Validates transfer jobs against one rank's geometry and plans their copies.
@@ -235,6 +246,7 @@ class TransferPlanner:
         self.geometry = geometry
         self._null_block_id = null_block_id
         self._groups = [self._group_runs(g) for g in range(len(geometry.caches.group_refs))]
+        self._overlaps = self._overlapping_groups()
 
     def _group_runs(self, group_idx: int) -> _GroupRuns:
         caches = self.geometry.caches
@@ -261,8 +273,8 @@ class TransferPlanner:
         if geometry.pool.closed:
             raise BackendError(f"{geometry.pool!r} is closed")
         group_slots = self._check_shape(job)
-        parts: list[_Entries] = []
-        copied, skipped = [], 0
+        blocks: list[_GroupBlocks] = []
+        skipped = 0
         id_start = slot_start = 0
         for g, runs in enumerate(self._groups):
             size, num_slots = job.group_sizes[g], group_slots[g]
@@ -270,45 +282,88 @@ class TransferPlanner:
             slots = job.slots[slot_start : slot_start + num_slots]
             id_start, slot_start = id_start + size, slot_start + num_slots
             positions = job.first_sub_block[g] + np.arange(size, dtype=np.int64)
-            keep = ids != self._null_block_id if runs.skips_null else np.ones(size, dtype=bool)
-            ids, positions = ids[keep], positions[keep]
+            if runs.skips_null:
+                keep = ids != self._null_block_id
+                ids, positions = ids[keep], positions[keep]
             _check_range(ids, geometry.caches.num_blocks, f"group {g}: engine block id")
             _check_range(slots, geometry.num_slots, f"group {g}: slot")
-            copied.append(len(ids))
             skipped += size - len(ids)
-            block_slots = slots[positions // geometry.block_size_factor]
-            parts.append(self._entries(g, runs, ids, block_slots, positions))
-        entries = _Entries.concatenate(parts)
-        entries.check_no_double_write(to_pool)
-        result = TransferResult(sum(copied), skipped, int(entries.nbytes.sum()), tuple(copied))
-        plain = entries.plain()
-        return CopyPlan(to_pool, plain, _merge_adjacent(plain), result)
+            factor = geometry.block_size_factor
+            blocks.append(_GroupBlocks(ids, slots[positions // factor], positions % factor))
+        self._check_no_double_write(blocks, to_pool)
+        parts = [self._entries(runs, b) for runs, b in zip(self._groups, blocks, strict=True)]
+        entries = CopyEntries(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+        copied = tuple(len(b.ids) for b in blocks)
+        result = TransferResult(sum(copied), skipped, int(entries.nbytes.sum()), copied)
+        return CopyPlan(to_pool, entries, _merge_adjacent(entries), result)
 
-    def _entries(
-        self,
-        group_idx: int,
-        runs: _GroupRuns,
-        ids: np.ndarray,
-        slots: np.ndarray,
-        positions: np.ndarray,
-    ) -> _Entries:
+    def _entries(self, runs: _GroupRuns, blocks: _GroupBlocks) -> tuple[np.ndarray, ...]:
         """Entries ordered run-major, so consecutive blocks of one tensor can merge."""
         geometry = self.geometry
         t = runs.tensor_idx
-        sub = (positions % geometry.block_size_factor)[None, :] * geometry.page_bytes[t][:, None]
+        count = len(blocks.ids)
+        sub = blocks.subs[None, :] * geometry.page_bytes[t][:, None]
         pool_start = geometry.part_offset[t] + runs.page_offset
-        pool = slots[None, :] * geometry.row_bytes + pool_start[:, None] + sub
-        engine = geometry.block_stride_bytes[t][:, None] * ids[None, :] + runs.page_offset[:, None]
-        count = len(t) * len(ids)
-        return _Entries(
-            tensor_idx=np.repeat(t, len(ids)),
-            engine_offset=engine.reshape(-1),
-            pool_offset=pool.reshape(-1),
-            nbytes=np.repeat(runs.nbytes, len(ids)),
-            group=np.full(count, group_idx, dtype=np.int64),
-            block_id=np.tile(ids, len(t)),
-            slot=np.tile(slots, len(t)),
+        pool = blocks.slots[None, :] * geometry.row_bytes + pool_start[:, None] + sub
+        stride = geometry.block_stride_bytes[t]
+        engine = stride[:, None] * blocks.ids[None, :] + runs.page_offset[:, None]
+        return (
+            np.repeat(t, count),
+            engine.reshape(-1),
+            pool.reshape(-1),
+            np.repeat(runs.nbytes, count),
         )
+
+    def _overlapping_groups(self) -> list[tuple[int, int]]:
+        """Pairs of groups (a <= b) whose runs share bytes of some page: their blocks must not
+        meet at one destination (a slot and sub-block, or an engine block id)."""
+        pairs = []
+        for a, first in enumerate(self._groups):
+            for b in range(a, len(self._groups)):
+                second = self._groups[b]
+                shared = any(
+                    ta == tb and oa < ob + nb and ob < oa + na
+                    for ta, oa, na in first.columns()
+                    for tb, ob, nb in second.columns()
+                )
+                if shared:
+                    pairs.append((a, b))
+        return pairs
+
+    def _check_no_double_write(self, blocks: list[_GroupBlocks], to_pool: bool) -> None:
+        """Raise if two blocks would write the same bytes (a racy, lossy transfer).
+
+        A store writes (slot, sub-block) places, a load engine block ids; two blocks collide
+        when they share a place and their groups share bytes of a page (a group always does
+        with itself). Checked per block, not per page: a job's pages are many.
+        """
+        factor = self.geometry.block_size_factor
+        for a, b in self._overlaps:
+            pair = (a,) if a == b else (a, b)
+            keys = [
+                blocks[g].slots * factor + blocks[g].subs if to_pool else blocks[g].ids
+                for g in pair
+            ]
+            joined = np.concatenate(keys)
+            if len(joined) < 2:
+                continue
+            order = np.argsort(joined, kind="stable")
+            repeats = joined[order][1:] == joined[order][:-1]
+            if not repeats.any():
+                continue
+            i = int(np.argmax(repeats))
+            first, second = (_locate(int(order[k]), pair, keys) for k in (i, i + 1))
+            (g1, j1), (g2, j2) = first, second
+            if to_pool:
+                what = f"slot {int(blocks[g2].slots[j2])}"
+                sources = f"engine blocks {int(blocks[g1].ids[j1])} and {int(blocks[g2].ids[j2])}"
+            else:
+                what = f"engine block id {int(blocks[g2].ids[j2])}"
+                sources = f"slots {int(blocks[g1].slots[j1])} and {int(blocks[g2].slots[j2])}"
+            raise LayoutError(
+                f"the transfer writes {what} twice, from {sources} (groups {g1} and {g2}); "
+                "list each destination once"
+            )
 
     def _check_shape(self, job: PoolTransfer) -> tuple[int, ...]:
         factor = self.geometry.block_size_factor
@@ -333,50 +388,25 @@ class TransferPlanner:
 
 
 @dataclass(frozen=True)
-class _Entries:
-    """Copy entries plus what each came from (for error messages)."""
+class _GroupBlocks:
+    """One group's blocks in a job (null blocks dropped): engine ids, slots, sub-blocks."""
 
-    tensor_idx: np.ndarray
-    engine_offset: np.ndarray
-    pool_offset: np.ndarray
-    nbytes: np.ndarray
-    group: np.ndarray
-    block_id: np.ndarray
-    slot: np.ndarray
+    ids: np.ndarray
+    slots: np.ndarray
+    subs: np.ndarray
 
-    @classmethod
-    def concatenate(cls, parts: Sequence[_Entries]) -> _Entries:
-        names = [f.name for f in fields(cls)]
-        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in names))
+    def place(self, to_pool: bool, factor: int) -> np.ndarray:
+        """What each block writes: a (slot, sub-block) number on a store, an id on a load."""
+        return self.slots * factor + self.subs if to_pool else self.ids
 
-    def plain(self) -> CopyEntries:
-        return CopyEntries(self.tensor_idx, self.engine_offset, self.pool_offset, self.nbytes)
 
-    def check_no_double_write(self, to_pool: bool) -> None:
-        """Raise if two entries would write the same bytes (a racy, lossy transfer)."""
-        if len(self.nbytes) < 2:
-            return
-        # Canonical tensors never overlap (registration checks it): (tensor, offset) orders them.
-        space = np.zeros_like(self.tensor_idx) if to_pool else self.tensor_idx
-        start = self.pool_offset if to_pool else self.engine_offset
-        order = np.lexsort((start, space))
-        same_space = space[order][1:] == space[order][:-1]
-        ends = start[order][:-1] + self.nbytes[order][:-1]
-        overlaps = same_space & (start[order][1:] < ends)
-        if not overlaps.any():
-            return
-        i = int(np.argmax(overlaps))
-        a, b = int(order[i]), int(order[i + 1])
-        if to_pool:
-            what = f"slot {int(self.slot[b])}"
-            sources = f"engine blocks {int(self.block_id[a])} and {int(self.block_id[b])}"
-        else:
-            what = f"engine block id {int(self.block_id[b])}"
-            sources = f"slots {int(self.slot[a])} and {int(self.slot[b])}"
-        raise LayoutError(
-            f"the transfer writes {what} twice, from {sources} (groups {int(self.group[a])} "
-            f"and {int(self.group[b])}); list each destination once"
-        )
+def _locate(index: int, groups: tuple[int, ...], keys: list[np.ndarray]) -> tuple[int, int]:
+    """(group, position in it) of position ``index`` in the groups' concatenated keys."""
+    for group, group_keys in zip(groups, keys, strict=True):
+        if index < len(group_keys):
+            return group, index
+        index -= len(group_keys)
+    raise AssertionError("index past the keys")
 
 
 def _merge_adjacent(entries: CopyEntries) -> CopyEntries:
@@ -385,6 +415,8 @@ def _merge_adjacent(entries: CopyEntries) -> CopyEntries:
     if len(n) < 2:
         return entries
     continues = (t[1:] == t[:-1]) & (e[1:] == e[:-1] + n[:-1]) & (p[1:] == p[:-1] + n[:-1])
+    if not continues.any():
+        return entries
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     return CopyEntries(t[starts], e[starts], p[starts], np.add.reduceat(n, starts))
 

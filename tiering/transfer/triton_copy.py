@@ -168,6 +168,8 @@ class TritonPageCopy(CopyStrategy):
         src, dst = (engine, pool) if plan.to_pool else (pool, engine)
         words = runs.nbytes // word
         chunk = self._chunk_words
+        if not (words > chunk).any():  # the common case: one chunk per run
+            return np.stack([src, dst, words])
         per_run = -(-words // chunk)
         run = np.repeat(np.arange(len(words)), per_run)
         first_chunk = np.repeat(np.cumsum(per_run) - per_run, per_run)
