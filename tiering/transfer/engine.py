@@ -81,6 +81,7 @@ class TransferHandle:
         *,
         start: torch.cuda.Event | None = None,
         end: torch.cuda.Event | None = None,
+        device: torch.device | None = None,
         future: Future[float] | None = None,
         keepalive: object = None,
         error: BaseException | None = None,
@@ -93,6 +94,7 @@ class TransferHandle:
         self.copy_s: float | None = None
         self._start = start
         self._end = end
+        self._device = device
         self._future = future
         self._keepalive = keepalive  # tables and buffers the queued copies still read
         self._reported = False
@@ -118,7 +120,7 @@ class TransferHandle:
                 f"job {self.job_id} copies CPU caches on a thread: it has no CUDA event to wait "
                 "on; use the engine's poll() or wait()"
             )
-        (stream or torch.cuda.current_stream(self._end.device)).wait_event(self._end)
+        (stream or torch.cuda.current_stream(self._device)).wait_event(self._end)
 
     def _query(self) -> bool:
         """Whether the copy has finished; records the outcome once. Never waits."""
@@ -212,6 +214,7 @@ class _Lane:
                 plan.result,
                 start=start,
                 end=end,
+                device=self._device,
                 keepalive=keepalive,
                 error=error,
             )
@@ -240,6 +243,9 @@ class _Lane:
 
     def close(self) -> None:
         self.drain()
+        for handle in self.handles:
+            if handle.error is not None and not handle._reported:
+                logger.warning("%r was never collected and failed: %s", handle, handle.error)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -334,7 +340,8 @@ class TransferEngine:
         return handle
 
     def close(self) -> None:
-        """Wait for every copy in flight and stop the engine's threads; idempotent."""
+        """Wait for every copy in flight and stop the engine's threads; idempotent. A failed copy
+        that neither poll() nor wait() reported is logged."""
         if self._closed:
             return
         self._closed = True
