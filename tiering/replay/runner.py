@@ -39,7 +39,6 @@ from tiering.config import (
 )
 from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
-from tiering.model_shapes import get_model_shape
 from tiering.policies import get_policy_class
 from tiering.pool import KVBlockCopier
 from tiering.replay.belady import simulate
@@ -104,7 +103,7 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
     torch.set_num_threads(1)
     if config.model is None:
         raise ConfigError(f"{config.source}: model: a replay needs a model shape (model.shape)")
-    shape = get_model_shape(config.model.shape)
+    shape = config.model_shape()
     spec = shape.kv_cache_spec(config.hashing.hash_block_size, config.block_size_factor)
     base_dir = Path(config.source).parent if config.source else None
     requests = load_trace(options.trace, options.scale, options.seed, base_dir)
