@@ -45,9 +45,12 @@ class RequestResult:
     blocks_stored: int
     bytes_stored: int
     lookup_retries: int
-    load_s: float
+    load_s: float  # the request's whole load: lookups, waits for promotions, the copy
     store_s: float
     store_refused: bool
+    load_copy_s: float = 0.0  # the copy job alone: CPU pool to engine blocks
+    store_copy_s: float = 0.0  # the copy job alone: engine blocks to CPU pool
+    blocks_refused: int = 0  # blocks the CPU tier refused to store (prepare_store gave None)
 
 
 def _window_engine_blocks(group: KVCacheGroup) -> int | None:
@@ -187,6 +190,7 @@ class SimulatedEngine:
         tables = self._block_tables(num_tokens, [b * factor for b in load_first])
 
         blocks_loaded = bytes_loaded = 0
+        load_copy_s = store_copy_s = 0.0
         if hit_tokens:
             load_keys = [
                 k for g in range(len(keys)) for k in keys[g][load_first[g] : hit_blocks[g]]
@@ -202,7 +206,9 @@ class SimulatedEngine:
                 ids = tables[g][load_first[g] * factor : hit_blocks[g] * factor]
                 engine_ids.extend(ids)
                 sizes.append(len(ids))
+            copy_started = time.perf_counter()
             result = self.copier.load(PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots))
+            load_copy_s = time.perf_counter() - copy_started
             self.manager.complete_load(load_keys, request.request_id)
             blocks_loaded = len(load_keys)
             bytes_loaded = result.bytes_copied
@@ -232,7 +238,9 @@ class SimulatedEngine:
                 out.store_spec.block_ids,
                 factor,
             )
+            copy_started = time.perf_counter()
             result = self.copier.store(transfer)
+            store_copy_s = time.perf_counter() - copy_started
             self.manager.complete_store(out.keys_to_store, True, request.request_id)
             blocks_stored = len(out.keys_to_store)
             bytes_stored = result.bytes_copied
@@ -253,6 +261,9 @@ class SimulatedEngine:
             load_s=load_s,
             store_s=store_s,
             store_refused=out is None,
+            load_copy_s=load_copy_s,
+            store_copy_s=store_copy_s,
+            blocks_refused=len(candidates.keys) if out is None else 0,
         )
 
     def _verify_loaded(
