@@ -229,7 +229,7 @@ def test_a_scrape_and_a_subscriber_see_a_replays_activity_per_tier(tmp_path: Pat
         publisher = step.observability.publisher
         assert publisher is not None and publisher.replay_endpoint is not None
         publisher.flush()
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(publisher.replay_endpoint)
