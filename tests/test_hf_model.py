@@ -127,6 +127,11 @@ def test_sliding_window_hybrids_are_grouped_as_vllm_does(tmp_path: Path) -> None
         GroupShape(FULL, 10),
     )
     assert gemma.layers_per_position == 10
+    # 12 sliding and 13 full layers: within 1.5x, so one group per kind, of 13 (vLLM pads).
+    layer_types = ["sliding_attention", "full_attention"] * 12 + ["full_attention"]
+    uneven = {**GPT_OSS_20B, "layer_types": layer_types, "num_hidden_layers": 25}
+    shape = model_shape_from_hf_config(write(tmp_path, uneven, "uneven.json"))
+    assert shape.groups == (GroupShape(SLIDING, 12, 128), GroupShape(FULL, 13))
     assert gemma.name == "gemma3"
     spec = gemma.kv_cache_spec(16)
     assert len({g.name for g in spec.groups}) == 7  # every group named apart

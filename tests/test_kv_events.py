@@ -40,7 +40,7 @@ def key(i: int, group: int = 0) -> OffloadKey:
 def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # closes what a failed test left open, so it cannot hang
 
 
 def subscriber(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: str) -> zmq.Socket[bytes]:
