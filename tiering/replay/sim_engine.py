@@ -45,9 +45,12 @@ class RequestResult:
     blocks_stored: int
     bytes_stored: int
     lookup_retries: int
-    load_s: float
+    load_s: float  # the request's whole load: lookups, waits for promotions, the copy
     store_s: float
     store_refused: bool
+    load_copy_s: float = 0.0  # the copy job alone: CPU pool to engine blocks
+    store_copy_s: float = 0.0  # the copy job alone: engine blocks to CPU pool
+    blocks_refused: int = 0  # blocks the CPU tier refused to store (prepare_store gave None)
 
 
 def _window_engine_blocks(group: KVCacheGroup) -> int | None:
@@ -189,6 +192,7 @@ class SimulatedEngine:
         tables = self._block_tables(num_tokens, [b * factor for b in load_first])
 
         blocks_loaded = bytes_loaded = 0
+        load_copy_s = store_copy_s = 0.0
         if hit_tokens:
             load_keys = [
                 k for g in range(len(keys)) for k in keys[g][load_first[g] : hit_blocks[g]]
@@ -205,7 +209,9 @@ class SimulatedEngine:
                 engine_ids.extend(ids)
                 sizes.append(len(ids))
             load = PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots)
+            copy_started = time.perf_counter()
             handle = self._finish(self.transfers.submit_load(load))
+            load_copy_s = time.perf_counter() - copy_started
             self.manager.complete_load(load_keys, request.request_id)
             blocks_loaded = len(load_keys)
             bytes_loaded = handle.bytes
@@ -235,7 +241,9 @@ class SimulatedEngine:
                 out.store_spec.block_ids,
                 factor,
             )
+            copy_started = time.perf_counter()
             handle = self._finish(self.transfers.submit_store(transfer))
+            store_copy_s = time.perf_counter() - copy_started
             self.manager.complete_store(out.keys_to_store, True, request.request_id)
             blocks_stored = len(out.keys_to_store)
             bytes_stored = handle.bytes
@@ -256,6 +264,9 @@ class SimulatedEngine:
             load_s=load_s,
             store_s=store_s,
             store_refused=out is None,
+            load_copy_s=load_copy_s,
+            store_copy_s=store_copy_s,
+            blocks_refused=len(candidates.keys) if out is None else 0,
         )
 
     def _finish(self, handle: TransferHandle) -> TransferHandle:
