@@ -4,11 +4,12 @@
   their copy plans.
 * :mod:`tiering.transfer.engine`: :class:`TransferEngine` (``submit_store`` / ``submit_load``
   / ``poll`` / ``wait``) and :class:`TransferHandle`.
-* :mod:`tiering.transfer.strategy`: the copy-strategy seam; the strategies are
-  :mod:`~tiering.transfer.triton_copy` (a page-copy kernel), :mod:`~tiering.transfer.
-  batched_memcpy` (``cuMemcpyBatchAsync``), :mod:`~tiering.transfer.staging` (gather/scatter
-  through a bounded buffer) and :mod:`~tiering.transfer.per_run` (``memmove`` for CPU caches,
-  ``torch``); :mod:`~tiering.transfer.select` chooses one.
+* :mod:`tiering.transfer.strategy`: the copy-strategy seam (conformance suite:
+  :class:`tiering.testing.copy_strategy_tests.CopyStrategyTests`). The strategies:
+  ``triton_copy`` (a page-copy kernel, in ``triton_kernel``), ``batched_memcpy``
+  (``cuMemcpyBatchAsync``, through ``cuda_driver``), ``staging`` (gather/scatter through a
+  bounded buffer) and ``per_run`` (``memmove`` for CPU caches, ``torch``); ``select`` chooses
+  one at run time.
 """
 
 from tiering.transfer.engine import Direction, TransferEngine, TransferHandle
