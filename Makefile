@@ -16,6 +16,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml $(VLLM_REQUIREMENTS)
+	@echo "make install: installing torch, tiering, the dev tools and vLLM (tests only, --no-deps) into $(VENV) (a few minutes the first time)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps -r $(VLLM_REQUIREMENTS)
