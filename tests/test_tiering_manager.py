@@ -466,3 +466,18 @@ def test_get_stats_reports_per_tier_deltas(harness_factory: type[Harness]) -> No
     info = manager.config_info()
     assert [i["tier"] for i in info] == ["CPU", "disk"]
     assert info[1]["write_policy"] == "write_through" and info[1]["block_bytes"] == ROW_BYTES
+
+
+def test_step_driven_tiers_open_at_the_first_step_boundary() -> None:
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    tier = memory_tier(8)
+    manager = TieringOffloadingManager(CPUOffloadingManager(2), [tier], pool=pool, step_driven=True)
+    try:
+        (job,) = manager.inflight_jobs()
+        assert job.kind == "open" and job.future is not None
+        job.future.result()
+        assert tier.status == "opening"  # done, not applied: no call applies it mid-step
+        manager.on_schedule_end()
+        assert tier.status == "open" and not manager.has_pending_work()
+    finally:
+        manager.shutdown()

@@ -184,8 +184,10 @@ class TieringOffloadingManager(OffloadingManager):
         self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
         if self._write_back_tiers:
             primary.set_eviction_hook(self._on_primary_evict)
+        self._epoch = -1  # the tiers open before the first step: its boundary applies them
         for tier in self.tiers:
             self._submit(tier.start_open(), tier.finish_open)
+        self._epoch = 0
 
     @property
     def store_threshold(self) -> int:  # type: ignore[override]
