@@ -1,36 +1,37 @@
-"""A recency order whose oldest-first victim search skips pinned keys in O(1) amortized time.
+"""A recency order whose oldest-first victim search skips pinned keys in O(log n) per victim,
+with no pause that grows with the number of pinned keys.
 
 Every policy list (LRU's single list, ARC's T1 and T2) is one :class:`RecencyOrder`.
 
-Layout. ``_main`` is an ``OrderedDict`` in recency order (oldest first). A key leaves ``_main``
-only from its head, and then receives a *departure stamp* from a counter:
+Stamps. Every use of a key (add, touch) gives it a *stamp* from a counter, so the true recency
+order is the order of stamps. A key's stamp is kept wherever the key is:
 
-- a pinned (non-evictable) key met at the head by a victim search goes to ``_parked``;
-- a parked key that becomes evictable again goes to ``_released``, a dict indexed by a min-heap
-  of ``(stamp, key)`` (stale heap entries are skipped and compacted away);
-- a protected key met during one search is held aside and goes to ``_released`` when the
-  search ends; a victim taken by a search that the caller abandons goes back to ``_released``.
+- ``_main``: an ``OrderedDict`` key -> stamp of evictable keys, in stamp order (oldest first);
+  adding or touching an evictable key appends it here;
+- ``_parked``: key -> stamp of the keys that may not be evicted (pinned, or being written).
+  Pinning a key takes it out of ``_main`` (or ``_released``) at once, whatever its place, so a
+  victim search never meets a pinned key: nothing is skipped, now or later;
+- ``_released``: key -> stamp of evictable keys out of ``_main``, indexed by a min-heap of
+  ``(stamp, key)`` (entries whose key has moved on since are stale: skipped and compacted away).
+  An unpinned key goes back to the tail of ``_main`` if nothing more recent was appended there
+  since its stamp (the usual case for a store that completes: it was added, not ready, a moment
+  ago), else here.
 
-Why this is exact. A key departs only from the head of ``_main``, so (1) every departed key is
-older than every key still in ``_main``, and (2) departure stamps increase with recency among
-departed keys: a key departing later was behind the earlier one in ``_main``, or re-entered
-``_main`` at its tail after it. Touching a departed key sends it back to the tail of ``_main``.
-Hence the true recency order is: departed keys by stamp, then ``_main`` in order. Released
-keys are exactly the evictable departed ones, so the oldest evictable unprotected key is the
-released key with the smallest stamp, or, when none is left, the first evictable unprotected
-key of ``_main``. Parking moves nothing in that order, so a search that fails changes nothing a
-caller can observe.
+The oldest evictable key is the older of ``_main``'s head and the heap's top. A victim search
+(:meth:`take`) pops from those two; protected keys it meets are held aside and go to
+``_released`` when the search ends (:meth:`end_search`), as do the victims of a search the caller
+undoes, each with its own stamp: a search that fails changes nothing a caller can observe.
 
-Cost. A key is parked at most once per stay in ``_main``, a heap entry is pushed once per
-release, and protected keys cost O(log n) each per search, so a victim costs O(1) amortized
-plus O(log n) heap work, whatever the number of pinned keys.
+Cost. Adding, touching and pinning a key are O(1); unpinning is O(1) or one heap push; a victim
+is one ``popitem`` (no heap) or O(log n) heap work. No call does work proportional to the
+number of pinned keys.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from itertools import count
 from operator import itemgetter
 
@@ -40,66 +41,89 @@ __all__ = ["RecencyOrder"]
 _HEAP_SLACK_FACTOR = 2
 _HEAP_SLACK_MIN = 64
 
+_heappop = heapq.heappop
+_heappush = heapq.heappush
+
 
 class RecencyOrder:
-    """Keys in recency order with pinning, O(1) amortized oldest-evictable search.
+    """Keys in recency order with pinning; the oldest evictable keys in O(log n) each.
 
-    Not thread-safe. Callers of :meth:`pop_oldest` must call :meth:`end_search` once the
-    search (one ``evict`` call, possibly many victims) is over, to commit or undo it.
+    Not thread-safe. Callers of :meth:`take` must call :meth:`end_search` once the search (one
+    ``evict`` call, possibly several :meth:`take` calls) is over, to commit or undo it.
     """
 
     __slots__ = (
         "_aside",
         "_clock",
         "_heap",
+        "_last",
         "_main",
         "_parked",
-        "_pinned",
         "_released",
-        "_size",
-        "_taken",
+        "size",
+        "_taken_keys",
+        "_taken_stamps",
     )
 
     def __init__(self) -> None:
-        self._main: OrderedDict[bytes, None] = OrderedDict()
+        self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
         self._released: dict[bytes, int] = {}
         self._heap: list[tuple[int, bytes]] = []
-        self._pinned: set[bytes] = set()
-        self._aside: list[tuple[int, bytes]] = []
-        self._taken: list[tuple[int, bytes]] = []
         self._clock = count()
-        # Keys held by the list; those held aside during a search count (ARC compares |T1|
-        # to p between victims).
-        self._size = 0
+        self._last = -1  # the newest stamp ever appended to _main
+        self._aside: list[tuple[int, bytes]] = []
+        self._taken_keys: list[bytes] = []
+        self._taken_stamps: list[int] = []
+        #: Keys held (read-only for callers): those held aside during a search count (ARC
+        #: compares |T1| to p between victims), those taken do not.
+        self.size = 0
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def __contains__(self, key: object) -> bool:
         return key in self._main or key in self._parked or key in self._released
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys from the oldest to the most recent, pinned ones included."""
-        departed = sorted([*self._parked.items(), *self._released.items()], key=itemgetter(1))
-        for key, _ in departed:
+        departed = [*self._parked.items(), *self._released.items()]
+        if not departed:
+            yield from self._main
+            return
+        for key, _ in sorted([*departed, *self._main.items()], key=itemgetter(1)):
             yield key
-        yield from self._main
 
     @property
     def evictable_count(self) -> int:
         """How many keys may be evicted (protected ones included)."""
-        return self._size - len(self._pinned)
+        return self.size - len(self._parked)
 
     def is_evictable(self, key: bytes) -> bool:
-        return key not in self._pinned
+        return key not in self._parked
 
     def add(self, key: bytes, evictable: bool) -> None:
         """Add an absent ``key`` as the most recent."""
-        self._main[key] = None
-        self._size += 1
-        if not evictable:
-            self._pinned.add(key)
+        stamp = next(self._clock)
+        if evictable:
+            self._main[key] = stamp
+            self._last = stamp
+        else:
+            self._parked[key] = stamp
+        self.size += 1
+
+    def add_new(self, key: bytes, evictable: bool) -> bool:
+        """:meth:`add` if ``key`` is absent; return whether it was."""
+        if key in self._main or key in self._parked or key in self._released:
+            return False
+        stamp = next(self._clock)
+        if evictable:
+            self._main[key] = stamp
+            self._last = stamp
+        else:
+            self._parked[key] = stamp
+        self.size += 1
+        return True
 
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recent; return whether it was present."""
@@ -107,110 +131,154 @@ class RecencyOrder:
         try:
             main.move_to_end(key)
         except KeyError:
-            if key in self._parked:
-                del self._parked[key]
-            elif key in self._released:
-                del self._released[key]  # its heap entry is now stale
-            else:
-                return False
-            main[key] = None
+            parked = self._parked
+            if key in parked:
+                parked[key] = next(self._clock)
+                return True
+            if self._released.pop(key, None) is None:
+                return False  # absent (its heap entry, if any, is now stale)
+        stamp = main[key] = next(self._clock)
+        self._last = stamp
         return True
+
+    def touch_all(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` each key from the last to the first (``keys[0]`` ends most recent);
+        absent keys are ignored."""
+        main, parked, released, clock = self._main, self._parked, self._released, self._clock
+        move_to_end = main.move_to_end
+        stamp = self._last
+        for key in reversed(keys):
+            try:
+                move_to_end(key)
+            except KeyError:
+                if key in parked:
+                    parked[key] = next(clock)
+                    continue
+                if released.pop(key, None) is None:
+                    continue
+            stamp = main[key] = next(clock)
+        self._last = stamp
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
-        if key in self._main:
-            del self._main[key]
-        elif key in self._parked:
-            del self._parked[key]
-        elif key in self._released:
-            del self._released[key]
-        else:
+        if (
+            self._main.pop(key, None) is None
+            and self._parked.pop(key, None) is None
+            and self._released.pop(key, None) is None
+        ):
             return False
-        self._size -= 1
-        self._pinned.discard(key)
+        self.size -= 1
         return True
 
     def set_evictable(self, key: bytes, evictable: bool) -> bool:
         """Allow or forbid evicting ``key``; return whether it was present."""
-        pinned = self._pinned
         if evictable:
-            if key not in pinned:  # already evictable, or absent
-                return key in self
-            pinned.remove(key)
             stamp = self._parked.pop(key, None)
-            if stamp is not None:
+            if stamp is None:  # already evictable, or absent
+                return key in self._main or key in self._released
+            if stamp > self._last:  # nothing newer in _main: its place is the tail
+                self._main[key] = stamp
+                self._last = stamp
+            else:
                 self._release(key, stamp)
             return True
-        if key in pinned:
-            return True
-        if key not in self:
-            return False
-        pinned.add(key)
-        stamp = self._released.pop(key, None)
-        if stamp is not None:
-            self._parked[key] = stamp
+        stamp = self._main.pop(key, None)
+        if stamp is None:
+            stamp = self._released.pop(key, None)  # its heap entry is now stale
+            if stamp is None:
+                return key in self._parked  # already pinned, or absent
+        self._parked[key] = stamp
         return True
 
-    def pop_oldest(self, protected: Container[bytes]) -> bytes | None:
-        """Remove and return the oldest evictable key not in ``protected``, or ``None``.
+    def take(self, n: int, protected: Container[bytes]) -> list[bytes]:
+        """Remove and return up to ``n`` of the oldest evictable keys not in ``protected``,
+        oldest first (fewer if there are no more).
 
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
-        heap, released = self._heap, self._released
-        while heap:
-            stamp, key = heapq.heappop(heap)
-            if released.get(key) != stamp:
-                continue  # stale: touched, re-pinned or already taken since it was pushed
-            del released[key]
-            if key in protected:
-                self._aside.append((stamp, key))
-                continue
-            self._size -= 1
-            self._taken.append((stamp, key))
-            return key
-        main, pinned = self._main, self._pinned
-        while main:
-            key, _ = main.popitem(last=False)
-            stamp = next(self._clock)
-            if key in pinned:
-                self._parked[key] = stamp
-            elif key in protected:
-                self._aside.append((stamp, key))
-            else:
-                self._size -= 1
-                self._taken.append((stamp, key))
-                return key
-        return None
+        main, heap = self._main, self._heap
+        got: list[bytes] = []
+        stamps = self._taken_stamps
+        if not heap:  # the usual case: the oldest keys are the head of _main
+            popitem = main.popitem
+            while n and main:
+                key, stamp = popitem(False)
+                if key in protected:
+                    self._aside.append((stamp, key))
+                    continue
+                got.append(key)
+                stamps.append(stamp)
+                n -= 1
+        else:
+            released = self._released
+            while n:
+                if heap:
+                    stamp, key = heap[0]
+                    if released.get(key) != stamp:
+                        _heappop(heap)  # stale: touched, pinned or taken since it was pushed
+                        continue
+                    if main:
+                        head, head_stamp = next(iter(main.items()))
+                        if head_stamp < stamp:
+                            key, stamp = head, head_stamp
+                            del main[key]
+                        else:
+                            _heappop(heap)
+                            del released[key]
+                    else:
+                        _heappop(heap)
+                        del released[key]
+                elif main:
+                    key, stamp = main.popitem(False)
+                else:
+                    break
+                if key in protected:
+                    self._aside.append((stamp, key))
+                    continue
+                got.append(key)
+                stamps.append(stamp)
+                n -= 1
+        if got:
+            self.size -= len(got)
+            self._taken_keys += got
+        return got
 
     def end_search(self, undo: bool) -> None:
-        """End a search: keep the keys :meth:`pop_oldest` removed, or put them back exactly.
+        """End a search: keep the keys :meth:`take` removed, or put them back exactly.
 
         Either way, the protected keys the search met go back to their places.
         """
-        if undo:
-            self._size += len(self._taken)
-            self._aside += self._taken
-        self._taken.clear()
-        for stamp, key in self._aside:
-            self._release(key, stamp)
-        self._aside.clear()
+        aside = self._aside
+        taken = self._taken_keys
+        if taken:
+            if undo:
+                self.size += len(taken)
+                aside += zip(self._taken_stamps, taken, strict=True)
+            taken.clear()
+            self._taken_stamps.clear()
+        if aside:
+            for stamp, key in aside:
+                self._release(key, stamp)
+            aside.clear()
 
     def clear(self) -> None:
         self._main.clear()
         self._parked.clear()
         self._released.clear()
         self._heap.clear()
-        self._pinned.clear()
         self._aside.clear()
-        self._taken.clear()
+        self._taken_keys.clear()
+        self._taken_stamps.clear()
         self._clock = count()
-        self._size = 0
+        self._last = -1
+        self.size = 0
 
     def _release(self, key: bytes, stamp: int) -> None:
         self._released[key] = stamp
-        heapq.heappush(self._heap, (stamp, key))
-        # Touches and re-pins leave stale entries behind; rebuilding once they dominate keeps
-        # the heap O(live keys) at O(1) amortized cost.
-        if len(self._heap) > _HEAP_SLACK_FACTOR * len(self._released) + _HEAP_SLACK_MIN:
+        heap = self._heap
+        _heappush(heap, (stamp, key))
+        # Touches and pins leave stale entries behind; rebuilding once they dominate keeps the
+        # heap O(live keys) at O(1) amortized cost.
+        if len(heap) > _HEAP_SLACK_FACTOR * len(self._released) + _HEAP_SLACK_MIN:
             self._heap = [(s, k) for k, s in self._released.items()]
             heapq.heapify(self._heap)
