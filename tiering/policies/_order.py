@@ -196,48 +196,44 @@ class RecencyOrder:
 
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
-        main, heap = self._main, self._heap
+        main, heap, released = self._main, self._heap, self._released
+        popitem = main.popitem
         got: list[bytes] = []
         stamps = self._taken_stamps
-        if not heap:  # the usual case: the oldest keys are the head of _main
-            popitem = main.popitem
+        aside = self._aside
+        while n:
+            # The heap's valid top, if any: the oldest released key.
+            while heap:
+                top_stamp, top_key = heap[0]
+                if released.get(top_key) == top_stamp:
+                    break
+                _heappop(heap)  # stale: touched, pinned or taken since it was pushed
+            else:
+                top_stamp = -1
+            # Victims from the head of _main while it is older than the heap's top (all of them
+            # when nothing is released: the usual case).
             while n and main:
                 key, stamp = popitem(False)
-                if key in protected:
-                    self._aside.append((stamp, key))
-                    continue
-                got.append(key)
-                stamps.append(stamp)
-                n -= 1
-        else:
-            released = self._released
-            while n:
-                if heap:
-                    stamp, key = heap[0]
-                    if released.get(key) != stamp:
-                        _heappop(heap)  # stale: touched, pinned or taken since it was pushed
-                        continue
-                    if main:
-                        head, head_stamp = next(iter(main.items()))
-                        if head_stamp < stamp:
-                            key, stamp = head, head_stamp
-                            del main[key]
-                        else:
-                            _heappop(heap)
-                            del released[key]
-                    else:
-                        _heappop(heap)
-                        del released[key]
-                elif main:
-                    key, stamp = main.popitem(False)
-                else:
+                if 0 <= top_stamp < stamp:
+                    main[key] = stamp  # newer than the heap's top: back to the head
+                    main.move_to_end(key, False)
                     break
                 if key in protected:
-                    self._aside.append((stamp, key))
+                    aside.append((stamp, key))
                     continue
                 got.append(key)
                 stamps.append(stamp)
                 n -= 1
+            if not n or top_stamp < 0:
+                break  # done, or nothing is left anywhere
+            _heappop(heap)
+            del released[top_key]
+            if top_key in protected:
+                aside.append((top_stamp, top_key))
+                continue
+            got.append(top_key)
+            stamps.append(top_stamp)
+            n -= 1
         if got:
             self.size -= len(got)
             self._taken_keys += got
