@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType
+from typing import cast
 
 import numpy as np
 
@@ -192,14 +193,20 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
         slots = self._slots
-        for key in key_list:
-            if key not in slots:
-                raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
-            if key in self._not_ready:
-                raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
+        not_ready = self._not_ready
+        try:
+            block_ids = [slots[key] for key in key_list]
+        except KeyError:
+            block_ids = []
+        if len(block_ids) != len(key_list) or (not_ready and not not_ready.isdisjoint(key_list)):
+            for key in key_list:  # the first key that cannot load, named in order
+                if key not in slots:
+                    raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
+                if key in not_ready:
+                    raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
         self._pin(key_list)
         self._loaded_blocks += len(key_list)
-        return LoadStoreSpec(self.medium, np.fromiter((slots[k] for k in key_list), np.int64))
+        return LoadStoreSpec(self.medium, np.array(block_ids, dtype=np.int64))
 
     def complete_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -209,10 +216,12 @@ class CPUOffloadingManager(OffloadingManager):
         if misplaced:
             reject_positional("complete_load", misplaced, "req_context")
         key_list = check_keys(keys)
-        wanted: dict[OffloadKey, int] = {}
-        for key in key_list:
-            wanted[key] = wanted.get(key, 0) + 1
         pins = self._pins
+        wanted: dict[OffloadKey, int] = dict.fromkeys(key_list, 1)
+        if len(wanted) != len(key_list):  # a key listed n times takes n pins
+            wanted = {}
+            for key in key_list:
+                wanted[key] = wanted.get(key, 0) + 1
         for key, times in wanted.items():
             pinned = pins.get(key, 0)
             if pinned < times:
@@ -220,21 +229,25 @@ class CPUOffloadingManager(OffloadingManager):
                     f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
                     "were prepared"
                 )
+        unpinned: list[OffloadKey] = []
         for key, times in wanted.items():
             left = pins[key] - times
             if left:
                 pins[key] = left
             else:
                 del pins[key]
-                self._policy.set_evictable(key, True)
+                unpinned.append(key)
+        if unpinned:
+            self._policy.set_evictable_many(unpinned, True)
 
     def _pin(self, key_list: list[OffloadKey]) -> None:
         pins = self._pins
+        first = [key for key in key_list if key not in pins]  # a key listed twice: no matter
+        if first:
+            self._policy.set_evictable_many(first, False)
+        get = pins.get
         for key in key_list:
-            count = pins.get(key, 0)
-            if count == 0:
-                self._policy.set_evictable(key, False)
-            pins[key] = count + 1
+            pins[key] = get(key, 0) + 1
 
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -285,38 +298,51 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
-        if len(to_store) > self.num_blocks:
+        needed = len(to_store)
+        if needed > self.num_blocks:
             return None
         slots_of = self._slots
+        freed_slots = self._freed_slots
+        fresh_left = self.num_blocks - self._next_fresh_slot
         evicted: list[OffloadKey] = []
-        shortfall = len(to_store) - self.num_free_blocks
+        shortfall = needed - fresh_left - len(freed_slots)
         if shortfall > 0:
             victims = self._policy.evict(shortfall, protected=set(key_list))
             if victims is None:
                 return None
-            freed: list[tuple[OffloadKey, int]] = []
-            for victim in victims:
-                victim_key = OffloadKey(victim)
-                freed.append((victim_key, slots_of.pop(victim_key)))
-                evicted.append(victim_key)
+            evicted = cast("list[OffloadKey]", victims)
             hook = self._eviction_hook
-            retained = hook(freed, req_context) if hook is not None else set()
-            for _, slot in freed:
-                if slot not in retained:
-                    self._free_slot(slot)
+            if hook is None:
+                freed_slots += map(slots_of.pop, evicted)  # in victim order, one C loop
+            else:
+                freed = [(key, slots_of.pop(key)) for key in evicted]
+                retained = hook(freed, req_context)
+                freed_slots += [slot for _, slot in freed if slot not in retained]
             self._evicted_blocks += len(evicted)
-            self._emit(evicted, removed=True)
-            if self.num_free_blocks < len(to_store):
+            if self.enable_events:
+                self._events.append(OffloadingEvent(tuple(evicted), self.medium, True))
+            if fresh_left + len(freed_slots) < needed:
                 # Write-back: some victims keep their slots until a lower tier has them.
                 return None
-        slots = self._allocate_slots(len(to_store))
+        # Fresh slots in increasing order first, then the most recently freed.
+        if fresh_left:
+            fresh = min(needed, fresh_left)
+            start = self._next_fresh_slot
+            slots = list(range(start, start + fresh))
+            self._next_fresh_slot = start + fresh
+            reused = needed - fresh
+            if reused:
+                slots += freed_slots[: -reused - 1 : -1]
+                del freed_slots[-reused:]
+        else:
+            slots = freed_slots[: -needed - 1 : -1]
+            del freed_slots[-needed:]
         slots_of.update(zip(to_store, slots, strict=True))
         self._not_ready.update(to_store)
-        insert = self._policy.insert
-        for key in to_store:
-            insert(key, False)
-        spec = LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64))
-        return PrepareStoreOutput(to_store, spec, evicted)
+        self._policy.insert_many(to_store, False)
+        return PrepareStoreOutput(
+            to_store, LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64)), evicted
+        )
 
     def complete_store(
         self,
@@ -331,39 +357,26 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("complete_store", misplaced, "success and req_context")
         if success is not True and success is not False:
             check_success(success)
-        done: list[OffloadKey] = []
         not_ready = self._not_ready
+        done = [key for key in check_keys(keys) if key in not_ready]  # unknown or ready: left
+        if not done:
+            return
+        before = len(not_ready)
+        not_ready.difference_update(done)
+        if before - len(not_ready) != len(done):  # a key listed twice counts once
+            done = list(dict.fromkeys(done))
         policy = self._policy
-        for key in check_keys(keys):
-            if key not in not_ready:  # unknown, or already ready
-                continue
-            not_ready.remove(key)
-            if success:
-                policy.set_evictable(key, True)
-            else:
-                policy.remove(key)
-                self._free_slot(self._slots.pop(key))
-            done.append(key)
         if success:
+            policy.set_evictable_many(done, True)
             self._stored_blocks += len(done)
-            self._emit(done, removed=False)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(tuple(done), self.medium, False))
         else:
+            slots_of = self._slots
+            for key in done:
+                policy.remove(key)
+            self._freed_slots += map(slots_of.pop, done)
             self._failed_blocks += len(done)
-
-    def _allocate_slots(self, n: int) -> list[int]:
-        """``n`` slots: fresh ones in increasing order, then the most recently freed."""
-        fresh = min(n, self.num_blocks - self._next_fresh_slot)
-        slots = list(range(self._next_fresh_slot, self._next_fresh_slot + fresh))
-        self._next_fresh_slot += fresh
-        reused = n - fresh
-        if reused:
-            freed = self._freed_slots
-            slots.extend(reversed(freed[-reused:]))
-            del freed[-reused:]
-        return slots
-
-    def _free_slot(self, slot: int) -> None:
-        self._freed_slots.append(slot)
 
     # -- hooks for a tiering manager -----------------------------------------------------------
 
@@ -376,8 +389,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def release_slots(self, slots: Iterable[int]) -> None:
         """Free slots that an eviction hook retained."""
-        for slot in slots:
-            self._free_slot(slot)
+        self._freed_slots += slots
 
     def reserve_for_promotion(
         self, keys: list[OffloadKey], req_context: object = None

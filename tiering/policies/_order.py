@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import count
 from operator import itemgetter
 
@@ -125,18 +125,40 @@ class RecencyOrder:
         self.size += 1
         return True
 
+    def held_of(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The ``keys`` this order holds, in their order."""
+        main, parked, released = self._main, self._parked, self._released
+        return [k for k in keys if k in main or k in parked or k in released]
+
+    def add_all(self, keys: Sequence[bytes], evictable: bool) -> bool:
+        """:meth:`add` each key in order (the last ends most recent); the keys must be absent.
+        Returns False, having added none, if a key is listed twice."""
+        target = self._main if evictable else self._parked
+        before = len(target)
+        clock = self._clock
+        stamp = -1
+        for key in keys:
+            stamp = target[key] = next(clock)
+        if len(target) - before != len(keys):
+            for key in keys:
+                target.pop(key, None)
+            return False
+        self.size += len(keys)
+        if evictable and keys:
+            self._last = stamp
+        return True
+
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recent; return whether it was present."""
         main = self._main
-        try:
+        # Membership first: a KeyError costs more than the probe it would save.
+        if key in main:
             main.move_to_end(key)
-        except KeyError:
-            parked = self._parked
-            if key in parked:
-                parked[key] = next(self._clock)
-                return True
-            if self._released.pop(key, None) is None:
-                return False  # absent (its heap entry, if any, is now stale)
+        elif key in self._parked:
+            self._parked[key] = next(self._clock)
+            return True
+        elif self._released.pop(key, None) is None:
+            return False  # absent (a released key's heap entry is now stale)
         stamp = main[key] = next(self._clock)
         self._last = stamp
         return True
@@ -148,16 +170,49 @@ class RecencyOrder:
         move_to_end = main.move_to_end
         stamp = self._last
         for key in reversed(keys):
-            try:
+            if key in main:
                 move_to_end(key)
-            except KeyError:
-                if key in parked:
-                    parked[key] = next(clock)
-                    continue
-                if released.pop(key, None) is None:
-                    continue
+            elif key in parked:
+                parked[key] = next(clock)
+                continue
+            elif released.pop(key, None) is None:
+                continue
             stamp = main[key] = next(clock)
         self._last = stamp
+
+    def touch_all_promoting(self, keys: Sequence[bytes], into: RecencyOrder) -> None:
+        """ARC's touch, from the last key to the first: an evictable key of this order moves to
+        ``into`` as its most recent, a pinned one becomes this order's most recent (preparing a
+        block is not a second use), any other key is touched in ``into`` (absent: ignored)."""
+        main, parked, released, clock = self._main, self._parked, self._released, self._clock
+        into_main, into_parked, into_released = into._main, into._parked, into._released
+        move_to_end, into_clock = into_main.move_to_end, into._clock
+        into_last = into._last
+        moved = 0
+        for key in reversed(keys):
+            if key in main:
+                del main[key]
+            elif key in released:
+                del released[key]  # its heap entry is now stale
+            elif key in parked:
+                parked[key] = next(clock)
+                continue
+            else:  # not here: a touch in ``into``
+                if key in into_main:
+                    move_to_end(key)
+                elif key in into_parked:
+                    into_parked[key] = next(into_clock)
+                    continue
+                elif into_released.pop(key, None) is None:
+                    continue
+                into_last = into_main[key] = next(into_clock)
+                continue
+            moved += 1  # evictable here: promoted
+            into_last = into_main[key] = next(into_clock)
+        into._last = into_last
+        if moved:
+            self.size -= moved
+            into.size += moved
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
@@ -189,6 +244,43 @@ class RecencyOrder:
                 return key in self._parked  # already pinned, or absent
         self._parked[key] = stamp
         return True
+
+    def set_evictable_each(
+        self, keys: Iterable[bytes], evictable: bool
+    ) -> tuple[list[bytes], list[bytes]]:
+        """:meth:`set_evictable` for each key this order holds. Returns the keys it changed and
+        the keys it does not hold (both in order); calling it again with the changed keys and
+        ``not evictable`` undoes it, exactly as far as any caller can observe."""
+        main, parked, released = self._main, self._parked, self._released
+        changed: list[bytes] = []
+        absent: list[bytes] = []
+        if evictable:
+            last = self._last
+            for key in keys:
+                stamp = parked.pop(key, None)
+                if stamp is None:
+                    if key not in main and key not in released:
+                        absent.append(key)
+                    continue
+                changed.append(key)
+                if stamp > last:  # nothing newer in _main: its place is the tail
+                    main[key] = stamp
+                    last = stamp
+                else:
+                    self._release(key, stamp)
+            self._last = last
+        else:
+            for key in keys:
+                stamp = main.pop(key, None)
+                if stamp is None:
+                    stamp = released.pop(key, None)  # its heap entry is now stale
+                    if stamp is None:
+                        if key not in parked:
+                            absent.append(key)
+                        continue
+                changed.append(key)
+                parked[key] = stamp
+        return changed, absent
 
     def take(self, n: int, protected: Container[bytes]) -> list[bytes]:
         """Remove and return up to ``n`` of the oldest evictable keys not in ``protected``,

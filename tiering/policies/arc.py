@@ -124,23 +124,68 @@ class ARCPolicy(EvictionPolicy):
                 raise KeyError(key)
             self._trim_ghosts()
 
+    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        if set(map(type, keys)) - {bytes}:
+            for key in keys:
+                check_insert_key(key)
+        t1, t2 = self._t1, self._t2
+        held = set(t1.held_of(keys)) | set(t2.held_of(keys))
+        if held or len(set(keys)) != len(keys):
+            raise KeyError(_first_held_or_repeated(keys, held))
+        # insert() key by key, with the lists' sizes kept here: ghost hits go to T2, other keys
+        # to T1, each trimming the ghosts as it would (a trim can drop a later key's ghost).
+        b1, b2 = self._b1, self._b2
+        capacity = self.capacity
+        t1_size, t2_size = t1.size, t2.size
+        p = self._target_t1_size
+        to_t1: list[bytes] = []
+        to_t2: list[bytes] = []
+        for key in keys:
+            if key in b1:
+                p = min(p + max(1.0, len(b2) / len(b1)), float(capacity))
+                del b1[key]
+                to_t2.append(key)
+                t2_size += 1
+            elif key in b2:
+                p = max(p - max(1.0, len(b1) / len(b2)), 0.0)
+                del b2[key]
+                to_t2.append(key)
+                t2_size += 1
+            else:
+                to_t1.append(key)
+                t1_size += 1
+                held_size = t1_size + t2_size
+                if t1_size + len(b1) > capacity or held_size + len(b1) + len(b2) > 2 * capacity:
+                    while b1 and t1_size + len(b1) > capacity:
+                        b1.popitem(last=False)
+                    while b2 and held_size + len(b1) + len(b2) > 2 * capacity:
+                        b2.popitem(last=False)
+                    while b1 and held_size + len(b1) > 2 * capacity:
+                        b1.popitem(last=False)
+        self._target_t1_size = p
+        t1.add_all(to_t1, evictable)
+        t2.add_all(to_t2, evictable)
+
     def touch(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys)
-        t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key in t1:
-                if t1.is_evictable(key):
-                    t1.discard(key)
-                    t2.add(key, True)
-                else:
-                    t1.touch(key)
-            else:
-                t2.touch(key)  # absent and ghost keys are ignored: adaptation is at insert
+        # Absent and ghost keys are ignored: adaptation is at insert.
+        self._t1.touch_all_promoting(keys, self._t2)
 
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not (self._t1.set_evictable(key, evictable) or self._t2.set_evictable(key, evictable)):
             raise KeyError(key)
+
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        t1, t2 = self._t1, self._t2
+        changed_t1, rest = t1.set_evictable_each(keys, evictable)
+        if not rest:
+            return
+        changed_t2, absent = t2.set_evictable_each(rest, evictable)
+        if absent:
+            t1.set_evictable_each(changed_t1, not evictable)
+            t2.set_evictable_each(changed_t2, not evictable)
+            raise KeyError(absent[0])
 
     def remove(self, key: bytes) -> None:
         if not self._t1.discard(key):
@@ -207,3 +252,12 @@ class ARCPolicy(EvictionPolicy):
             b2.popitem(last=False)
         while b1 and held + len(b1) > 2 * capacity:
             b1.popitem(last=False)
+
+
+def _first_held_or_repeated(keys: Sequence[bytes], held: set[bytes]) -> bytes:
+    listed: set[bytes] = set()
+    for key in keys:
+        if key in held or key in listed:
+            return key
+        listed.add(key)
+    raise AssertionError("no key is held or listed twice")

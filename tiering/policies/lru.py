@@ -44,6 +44,17 @@ class LRUPolicy(EvictionPolicy):
         if not self._order.add_new(key, evictable):
             raise KeyError(key)
 
+    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        if set(map(type, keys)) - {bytes}:
+            for key in keys:
+                check_insert_key(key)
+        order = self._order
+        held = order.held_of(keys)
+        if held:
+            raise KeyError(held[0])
+        if not order.add_all(keys, evictable):
+            raise KeyError(_first_repeated(keys))
+
     def touch(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys)
@@ -52,6 +63,13 @@ class LRUPolicy(EvictionPolicy):
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not self._order.set_evictable(key, evictable):
             raise KeyError(key)
+
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        order = self._order
+        changed, absent = order.set_evictable_each(keys, evictable)
+        if absent:
+            order.set_evictable_each(changed, not evictable)
+            raise KeyError(absent[0])
 
     def remove(self, key: bytes) -> None:
         self._order.discard(key)
@@ -76,3 +94,12 @@ class LRUPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         self._order.clear()
+
+
+def _first_repeated(keys: Sequence[bytes]) -> bytes:
+    listed: set[bytes] = set()
+    for key in keys:
+        if key in listed:
+            return key
+        listed.add(key)
+    raise AssertionError("no key is listed twice")
