@@ -468,9 +468,9 @@ def test_an_engine_step_loop_loads_a_prompt_back_from_the_tiers(tmp_path: Path) 
         # only the 3 new ones computed.
         assert [s for s in trace if s] == [{"a-again": 3}]
         loaded = engine.loaded_blocks["a-again"]
-        assert [index for index, _ in loaded] == [0, 1, 2, 3]
-        for index, data in loaded:
-            assert data == engine.block_content(request.block_hashes[index]).tobytes()
+        assert [(group, index) for group, index, _ in loaded] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+        for group, index, data in loaded:
+            assert data == engine.block_content(request.block_hashes[index], group).tobytes()
         nvme, lmdb = engine.manager.secondary_tiers  # type: ignore[attr-defined]
         assert (nvme.name, nvme.backend.stats.hits, lmdb.backend.stats.hits) == ("nvme", 4, 0)
     finally:
