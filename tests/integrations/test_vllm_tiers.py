@@ -179,8 +179,8 @@ def test_store_cascade_evict_and_promote_bit_exact(
     # The CPU tier's store, then each tier's: STORAGE, owned by the tier's name.
     assert trace["events_after_a"] == [
         EventRecord(tuple(a), "CPU", False, None),
-        EventRecord(tuple(a), "STORAGE", False, "nvme"),
-        EventRecord(tuple(a), "STORAGE", False, "lmdb"),
+        EventRecord(tuple(a), "STORAGE", False, "nvme", removal_expected=True),
+        EventRecord(tuple(a), "STORAGE", False, "lmdb", removal_expected=True),
     ]
     # B takes A's rows: the CPU tier evicted all of A, so A's bytes now live only below it.
     assert trace["store_b"] == ([0, 1, 2, 3], sorted(a))
@@ -192,8 +192,8 @@ def test_store_cascade_evict_and_promote_bit_exact(
     assert [(e.keys, e.removed) for e in cpu_events if e.keys == tuple(b)] == [(tuple(b), False)]
     assert EventRecord(tuple(a), "CPU", False, None) in cpu_events  # promoted in
     assert [e for e in trace["events_after_promotion"] if e.medium == "STORAGE"] == [
-        EventRecord(tuple(b), "STORAGE", False, "nvme"),
-        EventRecord(tuple(b), "STORAGE", False, "lmdb"),
+        EventRecord(tuple(b), "STORAGE", False, "nvme", removal_expected=True),
+        EventRecord(tuple(b), "STORAGE", False, "lmdb", removal_expected=True),
     ]
     assert trace["counters"] == {
         (TieringTierMetrics.STORED_BLOCKS, ("nvme",)): 8,

@@ -271,10 +271,19 @@ class EventRecord:
     medium: str
     removed: bool
     ownership: str | None
+    removal_expected: bool = False
+    metadata_only: bool = False
 
     @classmethod
     def of(cls, event: OffloadingEvent) -> EventRecord:
-        return cls(tuple(event.keys), event.medium.value, event.removed, event.ownership)
+        return cls(
+            tuple(event.keys),
+            event.medium.value,
+            event.removed,
+            event.ownership,
+            event.removal_expected,
+            event.metadata_only,
+        )
 
 
 @dataclass

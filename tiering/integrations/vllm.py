@@ -241,7 +241,8 @@ class _Request:
 class TieringManager(OffloadingManager):
     """vLLM 0.33's scheduler-side manager over tiering's step-driven manager.
 
-    ``manager`` is the :class:`TieringOffloadingManager` (public for tools and tests). Every
+    ``manager`` is the :class:`TieringOffloadingManager` and ``region`` vLLM's shared offload
+    region (public for tools and tests: read-only use). Every
     call runs on the caller's thread; tier I/O runs on the manager's I/O thread and its results
     apply at step boundaries (``on_schedule_end``), so the same calls give the same answers
     when each step's I/O is done. ``lock`` is a real lock, as vLLM asks of managers that may be
@@ -253,7 +254,7 @@ class TieringManager(OffloadingManager):
     ) -> None:
         extra = spec.extra_config
         self._lock = threading.Lock()
-        self._region = region
+        self.region = region
         self._cpu_info = spec.cpu_info.as_config_info()
         chunk_bytes = chunk_data_bytes(spec)
         stride = spec.kv_bytes_per_chunk
@@ -513,7 +514,7 @@ class TieringManager(OffloadingManager):
             self.manager.shutdown()
         finally:
             gc.collect()  # views of the rows in garbage cycles would keep the region mapped
-            self._region.cleanup()
+            self.region.cleanup()
 
     # -- helpers --------------------------------------------------------------------------------
 
