@@ -698,19 +698,32 @@ def test_a_fully_offloaded_432_token_prompt_hits_432_tokens(tmp_path: Path) -> N
 
 
 def test_a_sliding_window_hybrid_model_loads_both_groups_bit_exact(tmp_path: Path) -> None:
-    """Layer 0 full attention, layer 1 a 32-token sliding window: the hit leaves a token to
-    compute; the full-attention group loads every chunk up to it, the window group the two
-    chunks the window needs; both come back from the tiers bit-exact."""
+    """Layer 0 full attention, layer 1 a 32-token (two-chunk) sliding window. The hit leaves a
+    token to compute; the full-attention group loads every chunk up to it, the window group the
+    two chunks its window needs, from the tiers, bit-exact. A promotion answers HIT_PENDING, so
+    vLLM's window scan stops at the window: the window chunks an earlier, shorter request stored
+    further left are not promoted (RETRY would restart the scan and promote them too)."""
     config = engine_config(tmp_path, cpu_chunks=16, gpu_blocks=48, sliding_window=32)
     engine = EngineDriver(config, 48, sliding_window=32)
     try:
         prompt = list(range(1, 1 + 6 * BLOCK_SIZE + 5))  # 6 whole blocks and 5 tokens
-        trace, request = evict_and_reload(engine, prompt, list(range(500, 500 + 8 * BLOCK_SIZE)))
+        engine.add_request("shorter", prompt[: 4 * BLOCK_SIZE + 5])  # its window: chunks 2, 3
+        engine.run()
+        engine.add_request("first", prompt)
+        engine.run()
+        for n in range(2):  # the CPU tier's 16 rows go to other prompts
+            engine.add_request(f"other-{n}", list(range(500 + 200 * n, 612 + 200 * n)))
+            engine.run()
+        assert engine.scheduler.reset_prefix_cache()
+        request = engine.add_request("again", prompt)
+        trace = engine.run()
         loaded = engine.loaded_blocks["again"]
         assert sorted((g, i) for g, i, _ in loaded) == [(0, i) for i in range(6)] + [(1, 4), (1, 5)]
         for group, index, data in loaded:
             assert data == engine.block_content(request.block_hashes[index], group).tobytes()
         assert [s for s in trace if s] == [{"again": 5}]
+        tiers = engine.manager.manager.tiers  # type: ignore[attr-defined]
+        assert sum(t.metrics.promoted_blocks for t in tiers) == 8
     finally:
         engine.shutdown()
 
