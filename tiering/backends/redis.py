@@ -436,11 +436,16 @@ class RedisBackend(StorageBackend):
             self._nodes = None
             await nodes.close()
             self._state = "closed"
+            if isinstance(exc, AuthenticationError) and s.password_env is None:
+                raise BackendError(
+                    f"redis at {nodes.where} needs credentials, and none are configured (name "
+                    f"the environment variable that holds the password in password_env): {exc}"
+                ) from exc
             if isinstance(exc, AuthenticationError):
                 who = f"user {s.username!r}" if s.username else "the default user"
-                secret = f"the password in ${s.password_env}" if s.password_env else "no password"
                 raise BackendError(
-                    f"redis at {nodes.where} rejected the credentials ({who}, {secret}): {exc}"
+                    f"redis at {nodes.where} rejected the credentials ({who}, the password in "
+                    f"${s.password_env}): {exc}"
                 ) from exc
             if isinstance(exc, RedisError | OSError):
                 raise BackendError(
