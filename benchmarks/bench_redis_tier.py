@@ -1,0 +1,292 @@
+"""RedisBackend against raw pipelined redis-py: same servers, same batches, one run.
+
+The benchmark starts its own servers (a standalone ``redis-server`` and a 3-master Redis Cluster
+on loopback ports, in a temp dir) and, for blocks of 256 KiB and 2 MiB, times puts from and gets
+into rows of a preallocated torch uint8 pool, ``--batch`` blocks per call:
+
+* ``backend``: :class:`~tiering.backends.redis.RedisBackend` (block header, checksums, one
+  ``HSET``/``HMGET`` per block, pipelines of at most ``pipeline_bytes`` per node, verification
+  on every get, the copy into the row);
+* ``raw 1 pipe``: redis-py as most code uses it, one pipeline per call, ``SET``/``GET`` of the
+  bare payload straight from the row (a get copies the reply into the row);
+* ``raw cut``: the same, cut into pipelines of ``pipeline_bytes`` with the backend's limit of
+  pipelines in flight (the arrangement the backend uses; see its module docstring for why).
+
+Both raw clients use the backend's socket read size. Ratio = backend GB/s / the better of the two
+raw figures (target >= 0.8). ``lag`` is how late a 1 ms heartbeat task on the same event loop
+woke up while the backend's calls ran (p99 and max; target p99 <= 5 ms). Every figure is the
+median of ``--reps`` passes; the gets of the last pass are checked bit-exact.
+
+Usage: python benchmarks/bench_redis_tier.py [--quick] [--batch N] [--total-mib N] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+import torch
+from redis.asyncio.cluster import ClusterNode
+
+from tiering.backends.base import Outcome
+from tiering.backends.redis import RedisBackend
+from tiering.backends.redis_nodes import SOCKET_READ_BYTES
+from tiering.testing.redis_servers import (
+    RedisClusterProcesses,
+    RedisServer,
+    find_redis_cli,
+    find_redis_server,
+)
+
+KiB = 1 << 10
+MiB = 1 << 20
+FINGERPRINT = b"bench-redis-tier"
+
+
+class Heartbeat:
+    """A task that sleeps 1 ms at a time and records how late it wakes (the loop's lag)."""
+
+    def __init__(self) -> None:
+        self.lags_s: list[float] = []
+        self.recording = False
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while not self._stop:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            if self.recording:
+                self.lags_s.append(max(0.0, time.perf_counter() - start - 0.001))
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+
+def _batches(n: int, batch: int) -> list[range]:
+    return [range(i, min(i + batch, n)) for i in range(0, n, batch)]
+
+
+async def _timed(calls: Callable[[], Awaitable[None]]) -> float:
+    start = time.perf_counter()
+    await calls()
+    return time.perf_counter() - start
+
+
+class RawClient:
+    """Raw redis-py on the same deployment: SET/GET of bare payloads, pipelined."""
+
+    def __init__(self, target: RedisServer | RedisClusterProcesses, pipeline_bytes: int) -> None:
+        common: dict[str, Any] = {"socket_read_size": SOCKET_READ_BYTES}
+        self.client: Any
+        if isinstance(target, RedisClusterProcesses):
+            nodes = [ClusterNode("127.0.0.1", n.port) for n in target.nodes]
+            self.client = aioredis.RedisCluster(startup_nodes=nodes, **common)
+        else:
+            self.client = aioredis.Redis(port=target.port, max_connections=64, **common)
+        self.pipeline_bytes = pipeline_bytes
+
+    async def _pipelines(
+        self, items: Sequence[int], block_bytes: int, cut: bool, queue: Callable[[Any, int], None]
+    ) -> list[tuple[list[int], list[Any]]]:
+        per = max(1, self.pipeline_bytes // block_bytes) if cut else len(items)
+        limit = asyncio.Semaphore(2)
+
+        async def one(chunk: list[int]) -> tuple[list[int], list[Any]]:
+            async with limit:
+                pipe = self.client.pipeline(transaction=False)
+                for i in chunk:
+                    queue(pipe, i)
+                return chunk, await pipe.execute()
+
+        chunks = [list(items[s : s + per]) for s in range(0, len(items), per)]
+        return list(await asyncio.gather(*(one(c) for c in chunks)))
+
+    async def put(
+        self, names: list[bytes], rows: list[memoryview], items: range, cut: bool
+    ) -> None:
+        def queue(pipe: Any, i: int) -> None:
+            pipe.set(names[i], rows[i])
+
+        await self._pipelines(items, rows[0].nbytes, cut, queue)
+
+    async def get(
+        self, names: list[bytes], rows: list[memoryview], items: range, cut: bool
+    ) -> None:
+        def queue(pipe: Any, i: int) -> None:
+            pipe.get(names[i])
+
+        for chunk, values in await self._pipelines(items, rows[0].nbytes, cut, queue):
+            for i, value in zip(chunk, values, strict=True):
+                rows[i][:] = value
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def bench_size(
+    target: RedisServer | RedisClusterProcesses,
+    block_bytes: int,
+    total_bytes: int,
+    batch: int,
+    reps: int,
+) -> dict[str, object]:
+    n = max(batch, total_bytes // block_bytes)
+    src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8)
+    dst = torch.zeros((n, block_bytes), dtype=torch.uint8)
+    src_rows = [src[i].numpy().data.cast("B") for i in range(n)]
+    dst_rows = [dst[i].numpy().data.cast("B") for i in range(n)]
+    keys = [i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(n)]
+    options: dict[str, Any] = (
+        {"cluster_nodes": target.seeds}
+        if isinstance(target, RedisClusterProcesses)
+        else {"url": target.url}
+    )
+    backend = RedisBackend(
+        capacity_bytes=4 * n * block_bytes,
+        block_bytes=block_bytes,
+        fingerprint=FINGERPRINT,
+        key_prefix="bench",
+        **options,
+    )
+    raw = RawClient(target, backend.settings.pipeline_bytes)
+    raw_names = [b"raw:" + k.hex().encode() for k in keys]
+    beat = Heartbeat()
+    beat.start()
+    times: dict[str, list[float]] = {}
+    lags: dict[str, list[float]] = {"put": [], "get": []}
+
+    async def backend_put() -> None:
+        for items in _batches(n, batch):
+            outcomes = await backend.put([keys[i] for i in items], [src_rows[i] for i in items])
+            assert outcomes == [Outcome.OK] * len(items), outcomes
+
+    async def backend_get() -> None:
+        for items in _batches(n, batch):
+            outcomes = await backend.get([keys[i] for i in items], [dst_rows[i] for i in items])
+            assert outcomes == [Outcome.OK] * len(items), outcomes
+
+    def raw_run(op: str, cut: bool) -> Callable[[], Awaitable[None]]:
+        rows = src_rows if op == "put" else dst_rows
+
+        async def run() -> None:
+            for items in _batches(n, batch):
+                await getattr(raw, op)(raw_names, rows, items, cut)
+
+        return run
+
+    async with backend:
+        for _ in range(reps):
+            for op, run in (("put", backend_put), ("get", backend_get)):
+                for name, raw_call in (("raw 1 pipe", raw_run(op, False)),
+                                       ("raw cut", raw_run(op, True))):  # fmt: skip
+                    times.setdefault(f"{name} {op}", []).append(await _timed(raw_call))
+                beat.lags_s.clear()
+                beat.recording = True
+                times.setdefault(f"backend {op}", []).append(await _timed(run))
+                beat.recording = False
+                lags[op] += beat.lags_s
+        assert torch.equal(src, dst), "a get read back different bytes"
+    await raw.close()
+    await beat.stop()
+
+    def gbps(name: str) -> float:
+        return n * block_bytes / statistics.median(times[name]) / 1e9
+
+    row: dict[str, object] = {"block": block_bytes, "blocks": n}
+    for op in ("put", "get"):
+        best_raw = max(gbps(f"raw 1 pipe {op}"), gbps(f"raw cut {op}"))
+        ordered = sorted(lags[op]) or [0.0]
+        row[op] = {
+            "backend": gbps(f"backend {op}"),
+            "raw 1 pipe": gbps(f"raw 1 pipe {op}"),
+            "raw cut": gbps(f"raw cut {op}"),
+            "ratio": gbps(f"backend {op}") / best_raw,
+            "lag_p99_ms": ordered[int(0.99 * (len(ordered) - 1))] * 1e3,
+            "lag_max_ms": ordered[-1] * 1e3,
+        }
+    return row
+
+
+def _flush(target: RedisServer | RedisClusterProcesses) -> None:
+    nodes = target.nodes if isinstance(target, RedisClusterProcesses) else [target]
+    for node in nodes:
+        node.command("FLUSHALL")
+
+
+def _print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    print(
+        "\n| deployment | block | op | backend GB/s | raw 1 pipe GB/s | raw cut GB/s "
+        "| ratio (vs best raw) | loop lag p99 / max (ms) |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for deployment, row in rows:
+        size = f"{row['block'] // KiB} KiB" if row["block"] < MiB else f"{row['block'] // MiB} MiB"
+        for op in ("put", "get"):
+            r = row[op]
+            print(
+                f"| {deployment} | {size} | {op} | {r['backend']:.2f} | {r['raw 1 pipe']:.2f} "
+                f"| {r['raw cut']:.2f} | {r['ratio']:.2f} "
+                f"| {r['lag_p99_ms']:.1f} / {r['lag_max_ms']:.1f} |"
+            )
+
+
+def main(argv: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32 MiB per size, 1 rep")
+    parser.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
+    parser.add_argument("--total-mib", type=int, default=128, help="MiB per block size")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    if find_redis_server() is None or find_redis_cli() is None:
+        print("redis-server/redis-cli not installed (apt-get install redis-server redis-tools)")
+        return []
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as engines do after startup: see docs/benchmarks.md
+    total, reps = (32 * MiB, 1) if args.quick else (args.total_mib * MiB, args.reps)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-redis-"))
+    standalone = RedisServer(workdir / "standalone")
+    cluster = RedisClusterProcesses(workdir / "cluster")
+    rows: list[tuple[str, dict[str, Any]]] = []
+    try:
+        standalone.start()
+        cluster.start()
+        version = standalone.info("server").get("redis_version", "?")
+        print(
+            f"redis-server {version}, redis-py {redis.__version__} (hiredis), "
+            f"{total // MiB} MiB per block size in calls of {args.batch} blocks, "
+            f"median of {reps}; numpy {np.__version__}"
+        )
+        for name, target in (("standalone", standalone), ("cluster (3 masters)", cluster)):
+            for block_bytes in (256 * KiB, 2 * MiB):
+                row = asyncio.run(bench_size(target, block_bytes, total, args.batch, reps))
+                rows.append((name, row))
+                _flush(target)
+    finally:
+        standalone.stop()
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    _print_table(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
