@@ -14,7 +14,7 @@ from redis_helpers import Target, make_redis_backend, prefix_for, raw_client, ta
 
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.backends.block_format import HEADER_BYTES, pack_header
-from tiering.backends.redis import RedisBackend, RedisSettings
+from tiering.backends.redis import TAIL_BYTES, RedisBackend, RedisSettings
 from tiering.errors import BackendError, ConfigurationError
 from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.keys import make_offload_key
@@ -181,9 +181,10 @@ async def test_key_names_carry_prefix_and_fingerprint(target: Target) -> None:
             assert {bytes(n) for n in client.scan_iter(match="mdl-a:*")} == expected
             name = backend.redis_key(keys[0])
             assert client.type(name) == b"hash"
-            header = client.hget(name, "h")
-            assert header == pack_header(keys[0], values[0], backend.fingerprint)
-            assert client.hget(name, "p") == bytes(values[0])
+            stored_header = client.hget(name, "h")
+            header = pack_header(keys[0], values[0], backend.fingerprint)
+            assert stored_header == header + bytes(values[0][-TAIL_BYTES:])
+            assert client.hget(name, "p") == bytes(values[0][:-TAIL_BYTES])
         finally:
             client.close()
 
@@ -231,8 +232,8 @@ async def test_salted_keys_do_not_hit_across_nodes(target: Target) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "damage",
-    ["string-value", "garbage-header", "truncated-payload", "missing-payload", "other-key",
-     "other-layout", "flipped-bit"],
+    ["string-value", "garbage-header", "truncated-payload", "truncated-tail", "missing-payload",
+     "other-key", "other-layout", "flipped-bit", "flipped-tail-bit"],
 )  # fmt: skip
 async def test_foreign_values_are_counted_corrupt_misses(target: Target, damage: str) -> None:
     keys, values = _keys(3, tag=damage), _payloads(3, 4096, seed=6)
@@ -247,14 +248,20 @@ async def test_foreign_values_are_counted_corrupt_misses(target: Target, damage:
             elif damage == "garbage-header":
                 client.hset(name, "h", b"\x00" * HEADER_BYTES)
             elif damage == "truncated-payload":
-                client.hset(name, "p", bytes(values[1])[:-1])
+                client.hset(name, "p", bytes(values[1])[: -TAIL_BYTES - 1])
+            elif damage == "truncated-tail":
+                client.hset(name, "h", client.hget(name, "h")[:-1])
             elif damage == "missing-payload":
                 client.hdel(name, "p")
             elif damage == "other-key":  # key 0's whole block stored under key 1's name
                 client.hset(name, mapping=client.hgetall(backend.redis_key(keys[0])))
             elif damage == "other-layout":
                 foreign = pack_header(keys[1], values[1], b"another-layout!!")
-                client.hset(name, "h", foreign)
+                client.hset(name, "h", foreign + bytes(values[1][-TAIL_BYTES:]))
+            elif damage == "flipped-tail-bit":
+                header_and_tail = bytearray(client.hget(name, "h"))
+                header_and_tail[-1] ^= 0x80
+                client.hset(name, "h", bytes(header_and_tail))
             else:
                 payload = bytearray(values[1])
                 payload[100] ^= 0x01

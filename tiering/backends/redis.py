@@ -7,8 +7,12 @@ asks for ``type: redis``.
 Values
     One Redis hash per block, named ``<key_prefix>:<layout fingerprint, hex>:<offload key, hex>``,
     with two fields: ``h``, the 128-byte :mod:`~tiering.backends.block_format` header (the full
-    key, the layout fingerprint, the payload checksum), and ``p``, the payload. ``HSET`` writes
-    both at once, so a reader never sees half a block. Every get checks the header (its own
+    key, the layout fingerprint, the payload checksum) followed by the payload's last
+    ``TAIL_BYTES`` (64), and ``p``, the rest of the payload. ``HSET`` writes both at once, so a
+    reader never sees half a block. Why the tail moves: Redis allocates a value of n bytes as
+    n plus about 10, which jemalloc rounds up to its next size class, a quarter more for the
+    power-of-two payloads engines use (a 2 MiB payload took 2.5 MiB, measured); 64 bytes short
+    of the power of two, ``p`` fits its class exactly. Every get checks the header (its own
     checksum, the key, the fingerprint, the size) and the payload checksum: a value that is
     corrupt, truncated, of another type (a ``SET`` by some other client), or written for
     another key or layout is ``CORRUPT`` (counted, logged, unlinked), never a hit. The
@@ -120,11 +124,14 @@ _log = logging.getLogger(__name__)
 
 _HEADER_FIELD = b"h"
 _PAYLOAD_FIELD = b"p"
+#: The payload's last bytes travel in the header field, so that the payload field of a
+#: power-of-two block fits jemalloc's size class exactly (see the module docstring).
+TAIL_BYTES = 64
 #: Redis's default proto-max-bulk-len: the largest value it accepts.
 _MAX_BULK_BYTES = 512 << 20
-#: What Redis keeps per block besides header and payload (key name, hash and dict entries);
-#: ``MEMORY USAGE`` of a stored block, measured on Redis 7.0, minus the payload and header.
-#: jemalloc rounds big allocations up to a size class as well: see docs/distributed.md.
+#: What Redis keeps per block besides header and payload (key name, hash and dict entries,
+#: allocator rounding of the small ones): ``MEMORY USAGE`` of a stored block on Redis 7.0,
+#: minus the payload and header, rounded up.
 REDIS_OVERHEAD_BYTES = 512
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 _MOVED = (MovedError, AskError, TryAgainError, ClusterDownError)
@@ -300,6 +307,7 @@ class RedisBackend(StorageBackend):
             raise ConfigurationError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
         self._capacity_bytes = capacity_bytes
         self.footprint_bytes = HEADER_BYTES + block_bytes + REDIS_OVERHEAD_BYTES
+        self._tail_bytes = TAIL_BYTES if block_bytes >= 4 * TAIL_BYTES else 0
         if capacity_bytes // self.footprint_bytes < 1:
             raise ConfigurationError(
                 f"capacity_bytes={capacity_bytes} holds no block: one block of {block_bytes} "
@@ -609,12 +617,14 @@ class RedisBackend(StorageBackend):
         """The function that adds a chunk's commands to a pipeline (see ``_AddCommands``)."""
         ttl_ms = self._ttl_ms
         fingerprint = self.fingerprint
+        split = self.block_bytes - self._tail_bytes
 
         def add(pipe: Any, chunk: list[int]) -> Callable[[list[Any]], None]:
             for i in chunk:
-                header = pack_header(keys[i], views[i], fingerprint)
+                view = views[i]
+                header = pack_header(keys[i], view, fingerprint) + view[split:].tobytes()
                 pipe.execute_command("HSET", names[i], _HEADER_FIELD, header,
-                                     _PAYLOAD_FIELD, views[i])  # fmt: skip
+                                     _PAYLOAD_FIELD, view[:split])  # fmt: skip
                 if ttl_ms is not None:
                     pipe.execute_command("PEXPIRE", names[i], ttl_ms)
             step = 1 if ttl_ms is None else 2
@@ -701,18 +711,23 @@ class RedisBackend(StorageBackend):
             if raw_header is None or payload is None:
                 raise CorruptBlockError("a field is missing")
             header = unpack_header(raw_header)
-            if len(raw_header) != HEADER_BYTES:
-                raise CorruptBlockError(f"header is {len(raw_header)} bytes")
+            tail = self._tail_bytes
+            split = self.block_bytes - tail
+            if len(raw_header) != HEADER_BYTES + tail or len(payload) != split:
+                raise CorruptBlockError(
+                    f"fields of {len(raw_header)} and {len(payload)} bytes, expected "
+                    f"{HEADER_BYTES + tail} and {split}"
+                )
             if header.key != key:
                 raise CorruptBlockError(f"block holds key {header.key.hex()}")
             if header.fingerprint != self.fingerprint:
                 raise CorruptBlockError("block was written for another layout")
-            if header.payload_bytes != self.block_bytes or len(payload) != self.block_bytes:
+            if header.payload_bytes != self.block_bytes:
                 raise CorruptBlockError(
-                    f"payload is {len(payload)} bytes (header says {header.payload_bytes}), "
-                    f"expected {self.block_bytes}"
+                    f"header says {header.payload_bytes} payload bytes, expected {self.block_bytes}"
                 )
-            view[:] = payload
+            view[:split] = payload
+            view[split:] = memoryview(raw_header)[HEADER_BYTES:]
             if checksum(view) != header.payload_checksum:
                 raise CorruptBlockError("payload checksum mismatch")
         except CorruptBlockError as exc:
