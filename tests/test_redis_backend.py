@@ -190,6 +190,21 @@ async def test_key_names_carry_prefix_and_fingerprint(target: Target) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("block_bytes", [256 << 10, 2 << 20])
+async def test_a_block_takes_its_payload_plus_a_little(
+    redis_standalone: RedisServer, block_bytes: int
+) -> None:
+    """Redis's MEMORY USAGE of a stored power-of-two block stays within footprint_bytes (one
+    value of header + payload would be rounded up to the next jemalloc class: +25%)."""
+    keys, values = _keys(1), _payloads(1, block_bytes, seed=15)
+    async with make_redis_backend(redis_standalone, block_bytes=block_bytes) as backend:
+        assert await backend.put(keys, values) == [OK]
+        used = redis_standalone.command("MEMORY", "USAGE", backend.redis_key(keys[0]))
+        assert isinstance(used, int)
+        assert block_bytes < used <= backend.footprint_bytes < block_bytes + 1024
+
+
+@pytest.mark.asyncio
 async def test_two_layouts_and_two_prefixes_never_read_each_other(target: Target) -> None:
     """Same offload keys, different fingerprint or prefix: separate blocks, no hit across."""
     keys = _keys(4)
