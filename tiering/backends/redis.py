@@ -84,7 +84,7 @@ import logging
 import os
 import re
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -252,17 +252,25 @@ class RedisServerStats:
     eviction_policies: tuple[str, ...]  # the distinct maxmemory-policy values
 
 
-async def _all_or_none(jobs: Sequence[Awaitable[None]]) -> None:
-    """Await ``jobs`` side by side. If one fails or the caller is cancelled, the others are
-    cancelled and waited for before the error propagates: no job of a call (a get writing into
-    the caller's buffers) outlives the call."""
+async def _all_or_none(jobs: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Run ``jobs`` side by side, starting one per turn of the event loop (a job's first step
+    sends a pipeline, a millisecond of copying: started together, they would stall the loop for
+    all of them at once). If one fails or the caller is cancelled, the others are cancelled and
+    waited for before the error propagates: no job of a call (a get writing into the caller's
+    buffers) outlives the call."""
     if len(jobs) == 1:
         await jobs[0]
         return
-    tasks = [asyncio.ensure_future(job) for job in jobs]
+    tasks: list[asyncio.Future[None]] = []
     try:
+        for job in jobs:
+            if tasks:
+                await asyncio.sleep(0)
+            tasks.append(asyncio.ensure_future(job))
         await asyncio.gather(*tasks)
     except BaseException:
+        for job in jobs[len(tasks) :]:
+            job.close()  # never started
         for task in tasks:
             task.cancel()
         while pending := [t for t in tasks if not t.done()]:
@@ -805,8 +813,8 @@ class RedisBackend(StorageBackend):
         ``pipeline_bytes`` of values, ``pipelines_per_node`` at a time. Items of a node that
         fails keep the outcome they had (callers start from ``FAILED``)."""
         await nodes.maybe_refresh()
-        per_pipeline = max(1, self.settings.pipeline_bytes // (HEADER_BYTES + self.block_bytes))
-        jobs: list[Awaitable[None]] = []
+        per_pipeline = max(1, self.settings.pipeline_bytes // self.block_bytes)
+        jobs: list[Coroutine[Any, Any, None]] = []
         for node, items in nodes.group(names, indexes).items():
             if node.is_down:
                 self._count("node_down_keys", len(items))
