@@ -281,6 +281,36 @@ async def test_cluster_down_is_a_clear_error_at_open(cluster: RedisClusterProces
         await make_redis_backend(cluster, connect_timeout_s=1.0).open()
 
 
+@pytest.mark.asyncio
+async def test_open_with_one_master_down_serves_the_others(
+    cluster: RedisClusterProcesses,
+) -> None:
+    keys, values = _keys(30), _payloads(30, 4096, seed=8)
+    down = cluster.nodes[1]
+    down.kill()
+    backend = make_redis_backend(cluster, connect_timeout_s=1.0, retry_interval_s=60.0)
+    async with backend:
+        assert backend.degraded
+        on_down = [_node_of(backend, cluster, k) is down for k in keys]
+        assert 0 < sum(on_down) < 30
+        expected = [FAILED if d else OK for d in on_down]
+        assert await backend.put(keys, values) == expected
+        out = _buffers(30, 4096)
+        assert await backend.get(keys, out) == expected
+        assert [o for o, d in zip(out, on_down, strict=True) if not d] == [
+            v for v, d in zip(values, on_down, strict=True) if not d
+        ]
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_node_given_as_url_is_a_clear_error(
+    redis_cluster: RedisClusterProcesses,
+) -> None:
+    backend = make_redis_backend(redis_cluster.nodes[0])
+    with pytest.raises(BackendError, match="is a Redis Cluster node: give the cluster's nodes"):
+        await backend.open()
+
+
 def _worker(role: str, target: str, prefix: str) -> str:
     run = subprocess.run(
         [sys.executable, str(WORKER), role, "cluster_nodes", target, prefix, "24", "9"],

@@ -478,19 +478,27 @@ class RedisBackend(StorageBackend):
         return recovered
 
     async def _recover(self) -> list[bytes]:
-        """The keys of this namespace on every master (``SCAN``), up to ``capacity_blocks``."""
+        """The keys of this namespace on every master that answers (``SCAN``), up to
+        ``capacity_blocks``."""
         assert self._nodes is not None
         pattern = self._namespace + b"*"  # the prefix and the hex are glob-safe
 
+        nodes = self._nodes
+
         async def scan(node: RedisNode) -> list[bytes]:
             found = []
-            async for name in node.client.scan_iter(match=pattern, count=1000):
-                key = self._offload_key(name)
-                if key is not None:
-                    found.append(key)
+            if node.is_down:
+                return found
+            try:
+                async for name in node.client.scan_iter(match=pattern, count=1000):
+                    key = self._offload_key(name)
+                    if key is not None:
+                        found.append(key)
+            except (RedisError, OSError) as exc:  # a master that is down: recover the others
+                nodes.mark_down(node, exc)
             return found
 
-        per_node = await asyncio.gather(*(scan(n) for n in self._nodes.masters()))
+        per_node = await asyncio.gather(*(scan(n) for n in nodes.masters()))
         keys = list(dict.fromkeys(k for found in per_node for k in found))
         kept = keys[: self.capacity_blocks]
         self._count("recovered_blocks", len(kept))

@@ -161,11 +161,13 @@ class RedisNodes:
         return node
 
     async def connect(self) -> None:
-        """Create the clients and check that every master answers; raises ``RedisError``.
+        """Create the clients and check the deployment; raises ``RedisError`` saying why not.
 
-        A standalone server must answer PING. A cluster: the first seed that answers gives the
-        slot table; the cluster must say ``cluster_state:ok``; every master must answer PING
-        (one that does not is an error: the deployment is not what the config says).
+        A standalone server must answer, and must not be a cluster node (its keys would be
+        ``MOVED`` elsewhere: the config should name it in ``cluster_nodes``). A cluster: the
+        first seed that answers gives the slot table; the cluster must say
+        ``cluster_state:ok``; a master that does not answer is marked down (its keys fail
+        until it answers), unless none answers or one rejects the credentials.
         """
         if self.standalone_url is not None:
             kwargs = self.options.pool_kwargs()
@@ -180,12 +182,29 @@ class RedisNodes:
             )
             self._by_address[node.address] = node
             await node.client.ping()
+            if str((await node.client.info("cluster")).get("cluster_enabled")) == "1":
+                raise RedisError(
+                    "the server is a Redis Cluster node: give the cluster's nodes in "
+                    "cluster_nodes instead of url"
+                )
             return
         info = await self._read_slots(raise_errors=True)
         if "cluster_state:ok" not in info:
             state = next((ln for ln in info.splitlines() if "cluster_state" in ln), "no state")
             raise RedisError(f"the cluster is down ({state.strip()})")
-        await asyncio.gather(*(node.client.ping() for node in self.masters()))
+        masters = self.masters()
+        answers = await asyncio.gather(*(n.client.ping() for n in masters), return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        for error in errors:
+            if isinstance(error, aioredis.AuthenticationError) or not isinstance(
+                error, RedisError | OSError
+            ):
+                raise error
+        if len(errors) == len(masters):
+            raise errors[0]
+        for node, answer in zip(masters, answers, strict=True):
+            if isinstance(answer, BaseException):
+                self.mark_down(node, answer)
 
     async def _read_slots(self, *, raise_errors: bool) -> str:
         """Read ``CLUSTER SLOTS`` (and ``CLUSTER INFO``) from the first node that answers."""
@@ -212,7 +231,9 @@ class RedisNodes:
             raise last_error or RedisError("no seed node answered")
         return ""
 
-    def _install(self, ranges: Iterable[tuple[int, int, str, int]]) -> None:
+    def _install(self, ranges: Sequence[tuple[int, int, str, int]]) -> None:
+        if not ranges:
+            raise RedisError("CLUSTER SLOTS lists no slots: the cluster has not been created")
         table: list[RedisNode | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         used: set[str] = set()
         for start, end, host, port in ranges:
