@@ -118,6 +118,7 @@ async def test_cluster_node_killed_mid_run(
         written = await backend.put(keys, fresh)
         assert written == [FAILED if v else OK for v in on_victim]
         assert await backend.contains(keys) == [not v for v in on_victim]
+        assert await backend.exists(keys) == [None if v else True for v in on_victim]
         assert backend.degraded
         assert backend.stats.extra["node_errors"] >= 1
         failures = [r for r in caplog.records if victim.address in r.getMessage()]

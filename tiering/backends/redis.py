@@ -55,9 +55,10 @@ Capacity and the two modes (``shared``)
     No set of keys is kept and open enumerates nothing (it returns no keys); puts are never
     ``FULL`` for lack of budget; ``usage_bytes`` is 0 (this backend accounts for nothing in a
     store that others fill): :meth:`RedisBackend.server_stats` reports what Redis holds (used
-    memory, keys, evictions, summed over the masters). ``contains`` asks
-    the store (one ``EXISTS`` pipeline per node) and :meth:`RedisBackend.put_if_absent` writes
-    only what the store does not hold: the pieces a shared tier is built from.
+    memory, keys, evictions, summed over the masters). ``contains`` and
+    :meth:`RedisBackend.exists` ask the store (one ``EXISTS`` pipeline per node; ``exists``
+    tells "unknown, its node failed" from "absent"), and :meth:`RedisBackend.put_if_absent`
+    writes only what the store does not hold: the pieces a shared tier is built from.
 
 Failures
     At open, wrong credentials, an unreachable server and a cluster that says it is down raise
@@ -486,7 +487,7 @@ class RedisBackend(StorageBackend):
         nodes = self._nodes
 
         async def scan(node: RedisNode) -> list[bytes]:
-            found = []
+            found: list[bytes] = []
             if node.is_down:
                 return found
             try:
@@ -578,7 +579,7 @@ class RedisBackend(StorageBackend):
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
-        present = await self._exists(key_list)
+        present = await self.exists(key_list)
         results = [Outcome.OK if p else Outcome.FAILED for p in present]
         absent = [i for i, p in enumerate(present) if p is False]
         self._count("put_skipped_present", sum(1 for p in present if p))
@@ -779,15 +780,18 @@ class RedisBackend(StorageBackend):
         """
         self._check_open()
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
-        present = await self._exists(key_list)
+        present = await self.exists(key_list)
         self._forget_vanished([k for k, p in zip(key_list, present, strict=True) if p is False])
         return [p is True for p in present]
 
-    async def _exists(self, keys: Sequence[bytes]) -> list[bool | None]:
-        """True / False per key, None where its node failed."""
+    async def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Whether Redis holds each key: True, False, or None where its node failed (unknown,
+        not absent: a shared tier should not remember such an answer). One ``EXISTS`` pipeline
+        per node; verifies nothing."""
+        nodes = self._check_open()
+        keys = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if not keys:
             return []
-        nodes = self._check_open()
         with self._operation():
             replies = await self._small(nodes, "EXISTS", [self.redis_key(k) for k in keys])
         return [None if r is None else bool(r) for r in replies]
