@@ -75,7 +75,7 @@ async def test_cluster_node_killed_mid_run(
     size = 16 << 10
     keys, values = _keys(60), _payloads(60, size, seed=1)
     backend = make_redis_backend(
-        cluster, block_bytes=size, retry_interval_s=0.2, connect_timeout_s=1.0, timeout_s=2.0
+        cluster, block_bytes=size, retry_interval_s=0.2, connect_timeout_s=5.0, timeout_s=5.0
     )
     async with backend:
         assert await backend.put(keys, values) == [OK] * 60
@@ -143,7 +143,7 @@ async def test_hung_node_times_out_then_serves_its_old_blocks(
 ) -> None:
     size = 8 << 10
     keys, values = _keys(30), _payloads(30, size, seed=3)
-    backend = make_redis_backend(cluster, block_bytes=size, retry_interval_s=0.2, timeout_s=0.5)
+    backend = make_redis_backend(cluster, block_bytes=size, retry_interval_s=0.2, timeout_s=2.0)
     async with backend:
         assert await backend.put(keys, values) == [OK] * 30
         hung = _node_of(backend, cluster, keys[0])
