@@ -442,6 +442,7 @@ async def test_one_pipeline_per_node_per_call(
         ({"url": "redis://a:1", "key_prefix": "{tag}"}, "hash tag"),
         ({"url": "redis://a:1", "password_env": "hunter2 secret"}, "never the password"),
         ({"url": "redis://a:1", "tls_cert_file": Path("c.pem")}, "together"),
+        ({"url": "redis://a:1", "tls_ca_file": Path("ca.pem")}, "TLS is off"),
     ],
 )
 def test_bad_settings_are_clear_errors(options: dict[str, Any], message: str) -> None:

@@ -231,6 +231,11 @@ class RedisSettings:
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigurationError("give tls_cert_file and tls_key_file together (mutual TLS)")
+        files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        if not self.uses_tls and any(f is not None for f in files):
+            raise ConfigurationError(
+                "TLS files are given but TLS is off: set tls: true (or use a rediss:// url)"
+            )
         if self.pipeline_bytes < 1:
             raise ConfigurationError(f"pipeline_bytes must be > 0, got {self.pipeline_bytes}")
 
