@@ -106,6 +106,7 @@ class RedisServer:
         extra: Sequence[str] = (),
     ) -> None:
         self.directory = Path(directory)
+        self._ports_free_to_change = port is None
         self.port = port if port is not None else free_port()
         self.bus_port = free_port() if cluster else None
         self.password = password
@@ -157,18 +158,38 @@ class RedisServer:
         return [*args, *self.extra]
 
     def start(self, timeout_s: float = 20.0) -> None:
-        """Start the server (again, after :meth:`kill`) and wait until it answers."""
+        """Start the server (again, after :meth:`kill`: same port) and wait until it answers.
+
+        The first start of a server whose ports were picked here retries with other ports if
+        something took them in the meantime (another test run on the machine).
+        """
+        if self.running:
+            return
+        for attempt in range(3 if self._ports_free_to_change else 1):
+            try:
+                self._start_once(timeout_s)
+            except RedisServerError:
+                if not self._ports_free_to_change or attempt == 2 or not self._clashed():
+                    raise
+                self.port = free_port()
+                self.bus_port = free_port() if self.cluster else None
+                continue
+            self._ports_free_to_change = False
+            return
+
+    def _clashed(self) -> bool:
+        return "Address already in use" in self._tail()
+
+    def _start_once(self, timeout_s: float) -> None:
         binary = find_redis_server()
         if binary is None:
             raise RedisServerError("redis-server is not installed (apt-get install redis-server)")
-        if self.running:
-            return
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [binary, *self._arguments()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # it logs to log_path
             preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
@@ -178,10 +199,13 @@ class RedisServer:
                     f"redis-server on port {self.port} exited with {self.process.returncode}: "
                     f"{self._tail()}"
                 )
-            with contextlib.suppress(OSError):
+            try:
                 self.command("PING")
                 return
-            time.sleep(0.02)
+            except RedisServerError:  # an error reply (LOADING, ...) is an answer too
+                return
+            except OSError:
+                time.sleep(0.02)
         self.kill()
         raise RedisServerError(f"redis-server on port {self.port} did not answer in {timeout_s}s")
 
