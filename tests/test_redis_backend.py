@@ -427,6 +427,29 @@ async def test_one_pipeline_per_node_per_call(
         assert sorted(pipelines) == sorted(n.address for n in masters)
 
 
+@pytest.mark.asyncio
+async def test_gets_do_not_queue_behind_puts(target: Target) -> None:
+    """Every put lane of every node is taken: puts wait, a get still completes."""
+    keys, values = _keys(8), _payloads(8, 4096, seed=16)
+    async with make_redis_backend(target, pipelines_per_node=1) as backend:
+        assert await backend.put(keys, values) == [OK] * 8
+        assert backend.nodes is not None
+        masters = backend.nodes.masters()
+        for node in masters:
+            await node.writes.acquire()
+        try:
+            waiting_put = asyncio.ensure_future(backend.put(keys, values))
+            out = _buffers(8, 4096)
+            get = backend.get(keys, out)
+            assert await asyncio.wait_for(get, timeout=60) == [OK] * 8  # a bound, not a timing
+            assert out == values
+            assert not waiting_put.done()
+        finally:
+            for node in masters:
+                node.writes.release()
+        assert await waiting_put == [OK] * 8
+
+
 # -- settings ----------------------------------------------------------------------------------
 
 

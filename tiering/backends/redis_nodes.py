@@ -97,7 +97,8 @@ class RedisNode:
 
     address: str  # "host:port" or the URL of a standalone server
     client: aioredis.Redis
-    pipelines: asyncio.Semaphore  # data pipelines in flight at once on this node
+    reads: asyncio.Semaphore  # get pipelines in flight at once on this node
+    writes: asyncio.Semaphore  # put pipelines: apart, so a get never queues behind puts
     down_until: float = 0.0  # monotonic time before which calls fail its keys at once
     failure: str = ""  # the error that marked it down (logged once per episode)
     retired: bool = False  # no longer in the slot table (closed when the backend closes)
@@ -136,6 +137,11 @@ class RedisNodes:
         self._refreshing: asyncio.Future[str] | None = None
         self.refreshes = 0
 
+    def _lanes(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore]:
+        return asyncio.Semaphore(self.pipelines_per_node), asyncio.Semaphore(
+            self.pipelines_per_node
+        )
+
     @property
     def where(self) -> str:
         """The deployment, for messages: a URL or the seed list."""
@@ -155,7 +161,7 @@ class RedisNodes:
                 host=host, port=port, **self.options.pool_kwargs()
             )
             client = aioredis.Redis(connection_pool=pool)
-            node = RedisNode(address, client, asyncio.Semaphore(self.pipelines_per_node))
+            node = RedisNode(address, client, *self._lanes())
             self._by_address[address] = node
         node.retired = False
         return node
@@ -178,7 +184,7 @@ class RedisNodes:
             node = RedisNode(
                 self.where,
                 aioredis.Redis(connection_pool=pool),
-                asyncio.Semaphore(self.pipelines_per_node),
+                *self._lanes(),
             )
             self._by_address[node.address] = node
             await node.client.ping()
