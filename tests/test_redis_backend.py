@@ -364,6 +364,8 @@ async def test_put_if_absent_writes_only_what_the_store_lacks(target: Target) ->
         out = _buffers(4, 4096)
         assert await node_a.get(keys, out) == [OK] * 4
         assert out == first[:2] + second[2:]
+        with pytest.raises(ValueError, match="value 0 is 4095 bytes"):  # even for a present key
+            await node_b.put_if_absent(keys[:1], [memoryview(bytearray(4095))])
 
 
 @pytest.mark.asyncio

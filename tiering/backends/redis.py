@@ -586,6 +586,8 @@ class RedisBackend(StorageBackend):
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
+        for i, value in enumerate(values):  # misuse is an error before any I/O
+            _byte_view(value, self.block_bytes, "value", i, writable=False)
         present = await self.exists(key_list)
         results = [Outcome.OK if p else Outcome.FAILED for p in present]
         absent = [i for i, p in enumerate(present) if p is False]
