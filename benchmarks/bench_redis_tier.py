@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import shutil
 import statistics
 import sys
@@ -317,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
     if find_redis_server() is None or find_redis_cli() is None:
         print("redis-server/redis-cli not installed (apt-get install redis-server redis-tools)")
         return []
+    load_at_start = os.getloadavg()[0]
     torch.set_num_threads(1)
     gc.collect()
     gc.freeze()  # as engines do after startup: see docs/benchmarks.md
@@ -351,6 +353,12 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
         cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     _print_table(rows)
+    print(
+        f"\nLoad average (1 min) at start and end: {load_at_start:.2f}, {os.getloadavg()[0]:.2f} "
+        f"on {os.cpu_count()} CPUs, the three cluster servers, the standalone one and this "
+        "client included: above about 1 per CPU, other processes took CPU time from the "
+        "client and the servers, which shows in the lag, not in the callback CPU."
+    )
     return rows
 
 
