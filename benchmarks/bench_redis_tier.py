@@ -354,10 +354,10 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
         shutil.rmtree(workdir, ignore_errors=True)
     _print_table(rows)
     print(
-        f"\nLoad average (1 min) at start and end: {load_at_start:.2f}, {os.getloadavg()[0]:.2f} "
-        f"on {os.cpu_count()} CPUs, the three cluster servers, the standalone one and this "
-        "client included: above about 1 per CPU, other processes took CPU time from the "
-        "client and the servers, which shows in the lag, not in the callback CPU."
+        f"\nLoad average (1 min) before the servers started and at the end: {load_at_start:.2f}, "
+        f"{os.getloadavg()[0]:.2f}, on {os.cpu_count()} CPUs. The first is other work on the "
+        "machine; the benchmark's client and servers add up to about 2 while it runs. Other "
+        "work shows in the lag (the client waits for a CPU), not in the callback CPU."
     )
     return rows
 
