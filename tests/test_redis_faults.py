@@ -59,6 +59,10 @@ def _node_of(backend: RedisBackend, cluster: RedisClusterProcesses, key: bytes) 
     return cluster.node_for_slot(key_slot(backend.redis_key(key)))
 
 
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def _until(condition: object, timeout_s: float = 30.0) -> None:
     """Wait for ``condition()`` (an event, not a timing: the bound only stops a hang)."""
     loop = asyncio.get_running_loop()
@@ -83,30 +87,36 @@ async def test_cluster_node_killed_mid_run(
         on_victim = [_node_of(backend, cluster, k) is victim for k in keys]
         assert 0 < sum(on_victim) < 60
         errors: list[BaseException] = []
-        outcomes_seen: set[Outcome] = set()
+        calls_done: list[list[Outcome]] = []
+        failed_calls = 0
+        stop = asyncio.Event()
 
         async def traffic() -> None:  # an engine that keeps serving meanwhile
-            for _ in range(40):
+            nonlocal failed_calls
+            while not stop.is_set():
                 out = _buffers(60, size)
                 try:
                     outcomes = await backend.get(keys, out)
                 except BaseException as exc:
                     errors.append(exc)
                     return
-                outcomes_seen.update(outcomes)
+                calls_done.append(outcomes)
+                failed_calls += FAILED in outcomes
                 for got, want, outcome in zip(out, values, outcomes, strict=True):
                     assert outcome in (OK, FAILED, MISSING)
                     if outcome is OK:
                         assert got == want
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0)
 
         caplog.set_level(logging.WARNING, logger="tiering.backends.redis_nodes")
         running = asyncio.ensure_future(traffic())
-        await asyncio.sleep(0.05)
+        await _until(lambda: _true(len(calls_done) >= 3))  # serving before the kill
         victim.kill()
+        await _until(lambda: _true(failed_calls >= 5 or running.done()))  # and after it
+        stop.set()
         await running
         assert errors == []
-        assert FAILED in outcomes_seen
+        assert calls_done[0] == [OK] * 60 and failed_calls >= 5
         # while it is down: its keys fail, every other key reads bit-exact; nothing raises
         out = _buffers(60, size)
         outcomes = await backend.get(keys, out)
