@@ -13,7 +13,7 @@ import pytest
 from redis_helpers import Target, make_redis_backend, prefix_for, raw_client, target_options
 
 from tiering.backends.base import Outcome, StorageBackend
-from tiering.backends.block_format import HEADER_BYTES, pack_header
+from tiering.backends.block_format import pack_header
 from tiering.backends.redis import TAIL_BYTES, RedisBackend, RedisSettings
 from tiering.errors import BackendError, ConfigurationError
 from tiering.hashing import ExtraKeys, PrefixHasher
@@ -55,12 +55,12 @@ class RedisSuite(BackendTests):
     def corrupt_stored_block(self, backend: StorageBackend, key: bytes) -> None:
         """Flip one payload byte with a client of our own (the backend never sees it)."""
         assert isinstance(backend, RedisBackend)
-        name = backend.redis_key(key)
+        _, payload_name = backend.redis_keys(key)
         client = raw_client(self.target)
         try:
-            payload = bytearray(client.hget(name, "p"))
+            payload = bytearray(client.get(payload_name))
             payload[len(payload) // 2] ^= 0x10
-            client.hset(name, "p", bytes(payload))
+            client.set(payload_name, bytes(payload))
         finally:
             client.close()
 
@@ -174,17 +174,16 @@ async def test_key_names_carry_prefix_and_fingerprint(target: Target) -> None:
     keys, values = _keys(3), _payloads(3, 4096, seed=1)
     async with make_redis_backend(target, key_prefix="mdl-a") as backend:
         await backend.put(keys, values)
-        expected = {b"mdl-a:" + backend.fingerprint.hex().encode() + b":" + k.hex().encode()
-                    for k in keys}  # fmt: skip
+        stem = b"mdl-a:" + backend.fingerprint.hex().encode() + b":{"
+        expected = {stem + k.hex().encode() + suffix for k in keys for suffix in (b"}:h", b"}:p")}
         client = raw_client(target)
         try:
             assert {bytes(n) for n in client.scan_iter(match="mdl-a:*")} == expected
-            name = backend.redis_key(keys[0])
-            assert client.type(name) == b"hash"
-            stored_header = client.hget(name, "h")
+            header_name, payload_name = backend.redis_keys(keys[0])
+            assert client.type(header_name) == client.type(payload_name) == b"string"
             header = pack_header(keys[0], values[0], backend.fingerprint)
-            assert stored_header == header + bytes(values[0][-TAIL_BYTES:])
-            assert client.hget(name, "p") == bytes(values[0][:-TAIL_BYTES])
+            assert client.get(header_name) == header + bytes(values[0][-TAIL_BYTES:])
+            assert client.get(payload_name) == bytes(values[0][:-TAIL_BYTES])
         finally:
             client.close()
 
@@ -199,8 +198,11 @@ async def test_a_block_takes_its_payload_plus_a_little(
     keys, values = _keys(1), _payloads(1, block_bytes, seed=15)
     async with make_redis_backend(redis_standalone, block_bytes=block_bytes) as backend:
         assert await backend.put(keys, values) == [OK]
-        used = redis_standalone.command("MEMORY", "USAGE", backend.redis_key(keys[0]))
-        assert isinstance(used, int)
+        used = 0
+        for name in backend.redis_keys(keys[0]):
+            answer = redis_standalone.command("MEMORY", "USAGE", name)
+            assert isinstance(answer, int)
+            used += answer
         assert block_bytes < used <= backend.footprint_bytes < block_bytes + 1024
 
 
@@ -247,40 +249,36 @@ async def test_salted_keys_do_not_hit_across_nodes(target: Target) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "damage",
-    ["string-value", "garbage-header", "truncated-payload", "truncated-tail", "missing-payload",
-     "other-key", "other-layout", "flipped-bit", "flipped-tail-bit"],
+    ["garbage-header", "zero-header", "truncated-payload", "truncated-tail", "other-key",
+     "other-layout", "flipped-bit", "flipped-tail-bit"],
 )  # fmt: skip
 async def test_foreign_values_are_counted_corrupt_misses(target: Target, damage: str) -> None:
     keys, values = _keys(3, tag=damage), _payloads(3, 4096, seed=6)
     async with make_redis_backend(target) as backend:
         assert await backend.put(keys, values) == [OK] * 3
-        name = backend.redis_key(keys[1])
+        header_name, payload_name = backend.redis_keys(keys[1])
         client = raw_client(target)
         try:
-            if damage == "string-value":
-                client.delete(name)
-                client.set(name, b"garbage from another client")
-            elif damage == "garbage-header":
-                client.hset(name, "h", b"\x00" * HEADER_BYTES)
+            header, payload = client.get(header_name), client.get(payload_name)
+            if damage == "garbage-header":  # another client's value under our name
+                client.set(header_name, b"garbage from another client")
+            elif damage == "zero-header":
+                client.set(header_name, bytes(len(header)))
             elif damage == "truncated-payload":
-                client.hset(name, "p", bytes(values[1])[: -TAIL_BYTES - 1])
+                client.set(payload_name, payload[:-1])
             elif damage == "truncated-tail":
-                client.hset(name, "h", client.hget(name, "h")[:-1])
-            elif damage == "missing-payload":
-                client.hdel(name, "p")
-            elif damage == "other-key":  # key 0's whole block stored under key 1's name
-                client.hset(name, mapping=client.hgetall(backend.redis_key(keys[0])))
+                client.set(header_name, header[:-1])
+            elif damage == "other-key":  # key 0's whole block stored under key 1's names
+                other_header, other_payload = backend.redis_keys(keys[0])
+                client.set(header_name, client.get(other_header))
+                client.set(payload_name, client.get(other_payload))
             elif damage == "other-layout":
                 foreign = pack_header(keys[1], values[1], b"another-layout!!")
-                client.hset(name, "h", foreign + bytes(values[1][-TAIL_BYTES:]))
+                client.set(header_name, foreign + bytes(values[1][-TAIL_BYTES:]))
             elif damage == "flipped-tail-bit":
-                header_and_tail = bytearray(client.hget(name, "h"))
-                header_and_tail[-1] ^= 0x80
-                client.hset(name, "h", bytes(header_and_tail))
+                client.set(header_name, header[:-1] + bytes([header[-1] ^ 0x80]))
             else:
-                payload = bytearray(values[1])
-                payload[100] ^= 0x01
-                client.hset(name, "p", bytes(payload))
+                client.set(payload_name, payload[:100] + bytes([payload[100] ^ 1]) + payload[101:])
         finally:
             client.close()
         out = _buffers(3, 4096)
@@ -292,16 +290,46 @@ async def test_foreign_values_are_counted_corrupt_misses(target: Target, damage:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("damage", ["payload-gone", "header-gone", "payload-of-another-type"])
+async def test_half_a_block_is_a_miss_and_the_other_half_goes(target: Target, damage: str) -> None:
+    """Evicted or expired apart, deleted by hand, or replaced by another type: a miss (not a
+    corrupt block: nothing false was read), and the string left behind is unlinked."""
+    keys, values = _keys(2, tag=damage), _payloads(2, 4096, seed=9)
+    async with make_redis_backend(target) as backend:
+        assert await backend.put(keys, values) == [OK] * 2
+        header_name, payload_name = backend.redis_keys(keys[1])
+        client = raw_client(target)
+        try:
+            if damage == "header-gone":
+                client.delete(header_name)
+            else:
+                client.delete(payload_name)
+            if damage == "payload-of-another-type":
+                client.hset(payload_name, "field", "a hash where a block string was")
+            out = _buffers(2, 4096)
+            assert await backend.get(keys, out) == [OK, MISSING]
+            assert out[0] == values[0]
+            assert backend.stats.corrupt == 0
+            assert client.exists(header_name, payload_name) == 0
+        finally:
+            client.close()
+        assert await backend.put(keys[1:], values[1:]) == [OK]  # the key can come back
+        out = _buffers(2, 4096)
+        assert await backend.get(keys, out) == [OK, OK] and out == values
+
+
+@pytest.mark.asyncio
 async def test_ttl_expires_blocks_into_misses(target: Target) -> None:
     keys, values = _keys(2), _payloads(2, 4096, seed=7)
     async with make_redis_backend(target, ttl_s=60.0) as backend:
         assert await backend.put(keys, values) == [OK, OK]
         client = raw_client(target)
         try:
-            ttl_ms = client.pttl(backend.redis_key(keys[0]))
-            assert 0 < ttl_ms <= 60_000
-            client.pexpire(backend.redis_key(keys[0]), 1)  # make it expire now
-            while client.exists(backend.redis_key(keys[0])):
+            names = backend.redis_keys(keys[0])
+            for name in names:
+                assert 0 < client.pttl(name) <= 60_000
+                client.pexpire(name, 1)  # make it expire now
+            while client.exists(*names):
                 await asyncio.sleep(0.01)
         finally:
             client.close()
@@ -320,7 +348,7 @@ async def test_held_keys_that_vanish_are_dropped(target: Target) -> None:
         assert backend.usage_bytes == 3 * backend.footprint_bytes
         client = raw_client(target)
         try:
-            client.delete(backend.redis_key(keys[0]), backend.redis_key(keys[1]))
+            client.delete(*backend.redis_keys(keys[0]), *backend.redis_keys(keys[1]))
         finally:
             client.close()
         assert await backend.get(keys[:1], _buffers(1, 4096)) == [MISSING]
@@ -386,7 +414,7 @@ async def test_server_stats(target: Target) -> None:
         before = await backend.server_stats()
         assert await backend.put(_keys(8), _payloads(8, 4096, seed=13)) == [OK] * 8
         after = await backend.server_stats()
-        assert after.keys == before.keys + 8
+        assert after.keys == before.keys + 2 * 8  # two strings per block
         assert (
             after.nodes
             == after.nodes_answering
@@ -406,7 +434,7 @@ async def test_one_pipeline_per_node_per_call(
         assert await backend.put(keys, values) == [OK] * 24
         assert backend.nodes is not None
         masters = backend.nodes.masters()
-        touched = {backend.nodes.node_for(backend.redis_key(k)).address for k in keys}
+        touched = {backend.nodes.node_for(backend.redis_keys(k)[0]).address for k in keys}
         assert len(touched) == len(masters)  # 24 keys land on every node
         pipelines: list[str] = []
         for node in masters:

@@ -59,7 +59,8 @@ def test_redis_tier_from_yaml(tmp_path: Path) -> None:
     assert isinstance(backend, RedisBackend)
     assert backend.settings == settings
     assert backend.capacity_bytes == 8 << 30
-    assert backend.redis_key(b"k" * 8).startswith(b"prod/llama3:" + (b"f" * 16).hex().encode())
+    header_name, _ = backend.redis_keys(b"k" * 8)
+    assert header_name.startswith(b"prod/llama3:" + (b"f" * 16).hex().encode() + b":{")
     assert not backend.is_open  # building does no I/O
 
 

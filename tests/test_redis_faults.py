@@ -56,7 +56,7 @@ def cluster(tmp_path: Path) -> Iterator[RedisClusterProcesses]:
 
 
 def _node_of(backend: RedisBackend, cluster: RedisClusterProcesses, key: bytes) -> RedisServer:
-    return cluster.node_for_slot(key_slot(backend.redis_key(key)))
+    return cluster.node_for_slot(key_slot(backend.redis_keys(key)[0]))
 
 
 async def _true(value: bool) -> bool:

@@ -5,29 +5,34 @@ Needs the ``redis`` package with its ``hiredis`` parser (``pip install 'tiering[
 asks for ``type: redis``.
 
 Values
-    One Redis hash per block, named ``<key_prefix>:<layout fingerprint, hex>:<offload key, hex>``,
-    with two fields: ``h``, the 128-byte :mod:`~tiering.backends.block_format` header (the full
-    key, the layout fingerprint, the payload checksum) followed by the payload's last
-    ``TAIL_BYTES`` (64), and ``p``, the rest of the payload. ``HSET`` writes both at once, so a
-    reader never sees half a block. Why the tail moves: Redis allocates a value of n bytes as
-    n plus about 10, which jemalloc rounds up to its next size class, a quarter more for the
-    power-of-two payloads engines use (a 2 MiB payload took 2.5 MiB, measured); 64 bytes short
-    of the power of two, ``p`` fits its class exactly. Every get checks the header (its own
-    checksum, the key, the fingerprint, the size) and the payload checksum: a value that is
-    corrupt, truncated, of another type (a ``SET`` by some other client), or written for
-    another key or layout is ``CORRUPT`` (counted, logged, unlinked), never a hit. The
-    fingerprint in every name keeps two models or layouts on one deployment apart; the prefix
-    keeps deployments (or tenants) apart; ``cache_salt`` is already inside the offload key.
+    Two Redis strings per block, written by one ``MSET`` and read by one ``MGET`` (both atomic:
+    a reader never sees half a write), named ``<key_prefix>:<layout fingerprint, hex>:{<offload
+    key, hex>}:h`` and ``...:p``; the ``{...}`` hash tag puts both in one cluster slot. ``h``
+    holds the 128-byte :mod:`~tiering.backends.block_format` header (the full key, the layout
+    fingerprint, the payload checksum) followed by the payload's last ``TAIL_BYTES`` (64); ``p``
+    holds the rest of the payload. Every get checks the header (its own checksum, the key, the
+    fingerprint, the size) and the payload checksum: a value that is corrupt, truncated, or
+    written for another key or layout is ``CORRUPT`` (counted, logged, unlinked), never a hit;
+    a block with one of its two strings gone (evicted or expired apart, deleted by hand, or of
+    another type) is ``MISSING``, and the other string is unlinked. The fingerprint in every
+    name keeps two models or layouts on one deployment apart; the prefix keeps deployments (or
+    tenants) apart; ``cache_salt`` is already inside the offload key.
 
-Why a hash and not ``SET name header+payload``: redis-py sends a ``memoryview`` argument as a
-chunk of its own, so the payload goes from the caller's pool row into the socket write with no
-copy made here; one value of header + payload would need a copy of every block first (measured
-0.77x of raw puts, against parity for the hash). What copies remain, all inside redis-py and
-asyncio on Python 3.11: a put's pipeline is joined into one buffer (``writelines``), and what
-the socket does not take at once is copied into the transport's buffer; a get's reply is read
-from the socket into asyncio's stream buffer, copied out of it, fed into hiredis, which builds a
-``bytes`` for the payload, and this backend copies that into the caller's buffer (redis-py has no
-way to read a reply into a given buffer).
+Why two strings and a tail, measured on Redis 7.0 (docs/benchmarks.md). One string of
+header + payload would need a copy of every block on the client first (puts at 0.77x of raw),
+and Redis allocates a value of n bytes as n plus about 10, which jemalloc rounds up to its next
+size class: a quarter more for the power-of-two payloads engines use (a 2 MiB payload took
+2.5 MiB). A hash of a header field and a payload field avoids both, but Redis copies every hash
+field it is given (puts at about 0.85x of ``SET``). A string given to ``SET``/``MSET`` is kept
+as received, with no copy on the server, and redis-py sends a ``memoryview`` argument as a chunk
+of its own, so the payload goes from the caller's pool row into the socket with no copy made
+here; 64 bytes short of the power of two, ``p`` fits its size class exactly (a stored 2 MiB
+block takes its payload plus under 1 KiB). What copies remain, all inside redis-py and asyncio
+on Python 3.11: a put's pipeline is joined into one buffer (``writelines``), and what the
+socket does not take at once is copied into the transport's buffer; a get's reply is read from
+the socket into asyncio's stream buffer, copied out of it, fed into hiredis, which builds a
+``bytes`` for the payload, and this backend copies that into the caller's buffer (redis-py has
+no way to read a reply into a given buffer).
 
 Batching
     A call groups its keys by the master that holds them (:mod:`tiering.backends.redis_nodes`)
@@ -40,7 +45,7 @@ Batching
     pipelines at about 3 GB/s with about 1 ms. 2 MiB (the default) moved as many bytes per
     second as 4 MiB here and halved the longest callbacks (p99 0.7-1.0 ms of CPU against
     1.3-1.9 ms for puts, on this project's shared 2-core machine; docs/benchmarks.md).
-    ``contains`` and ``delete`` send one pipeline per node (``EXISTS`` / ``UNLINK`` per key).
+    ``contains`` and ``delete`` send one pipeline per node (``EXISTS`` / ``UNLINK`` per block).
 
 Capacity and the two modes (``shared``)
     Redis owns its memory: ``maxmemory`` and an eviction policy (``allkeys-lru`` is the one to
@@ -58,7 +63,7 @@ Capacity and the two modes (``shared``)
     No set of keys is kept and open enumerates nothing (it returns no keys); puts are never
     ``FULL`` for lack of budget; ``usage_bytes`` is 0 (this backend accounts for nothing in a
     store that others fill): :meth:`RedisBackend.server_stats` reports what Redis holds (used
-    memory, keys, evictions, summed over the masters). ``contains`` and
+    memory, keys (two per block), evictions, summed over the masters). ``contains`` and
     :meth:`RedisBackend.exists` ask the store (one ``EXISTS`` pipeline per node; ``exists``
     tells "unknown, its node failed" from "absent"), and :meth:`RedisBackend.put_if_absent`
     writes only what the store does not hold: the pieces a shared tier is built from.
@@ -101,7 +106,6 @@ try:
         MovedError,
         OutOfMemoryError,
         RedisError,
-        ResponseError,
         TryAgainError,
     )
     from redis.utils import HIREDIS_AVAILABLE
@@ -126,16 +130,16 @@ __all__ = ["RedisBackend", "RedisServerStats", "RedisSettings"]
 
 _log = logging.getLogger(__name__)
 
-_HEADER_FIELD = b"h"
-_PAYLOAD_FIELD = b"p"
-#: The payload's last bytes travel in the header field, so that the payload field of a
+_HEADER_SUFFIX = b"}:h"
+_PAYLOAD_SUFFIX = b"}:p"
+#: The payload's last bytes travel in the header string, so that the payload string of a
 #: power-of-two block fits jemalloc's size class exactly (see the module docstring).
 TAIL_BYTES = 64
 #: Redis's default proto-max-bulk-len: the largest value it accepts.
 _MAX_BULK_BYTES = 512 << 20
-#: What Redis keeps per block besides header and payload (key name, hash and dict entries,
-#: allocator rounding of the small ones): ``MEMORY USAGE`` of a stored block on Redis 7.0,
-#: minus the payload and header, rounded up.
+#: What Redis keeps per block besides header and payload (two key names, objects and dict
+#: entries, allocator rounding of the small ones): ``MEMORY USAGE`` of a stored block's two
+#: strings on Redis 7.0, minus the payload and header, rounded up.
 REDIS_OVERHEAD_BYTES = 512
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 _MOVED = (MovedError, AskError, TryAgainError, ClusterDownError)
@@ -355,15 +359,17 @@ class RedisBackend(StorageBackend):
         """The start of every Redis key name this backend uses."""
         return self._namespace
 
-    def redis_key(self, key: bytes) -> bytes:
-        """The Redis key name of offload key ``key``."""
-        return self._namespace + key.hex().encode()
+    def redis_keys(self, key: bytes) -> tuple[bytes, bytes]:
+        """The Redis key names of offload key ``key``'s block: its header and payload strings."""
+        stem = self._namespace + b"{" + key.hex().encode()
+        return stem + _HEADER_SUFFIX, stem + _PAYLOAD_SUFFIX
 
-    def _offload_key(self, name: bytes) -> bytes | None:
-        if not name.startswith(self._namespace):
+    def _offload_key(self, header_name: bytes) -> bytes | None:
+        start = len(self._namespace) + 1
+        if not (header_name.startswith(self._namespace) and header_name.endswith(_HEADER_SUFFIX)):
             return None
         try:
-            key = bytes.fromhex(name[len(self._namespace) :].decode("ascii"))
+            key = bytes.fromhex(header_name[start : -len(_HEADER_SUFFIX)].decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             return None
         return key if 4 < len(key) <= MAX_KEY_BYTES else None
@@ -491,7 +497,7 @@ class RedisBackend(StorageBackend):
         """The keys of this namespace on every master that answers (``SCAN``), up to
         ``capacity_blocks``."""
         assert self._nodes is not None
-        pattern = self._namespace + b"*"  # the prefix and the hex are glob-safe
+        pattern = self._namespace + b"*" + _HEADER_SUFFIX  # prefix and hex are glob-safe
 
         nodes = self._nodes
 
@@ -618,7 +624,7 @@ class RedisBackend(StorageBackend):
                         results[i] = Outcome.FULL
                 order = [i for i in order if keys[i] not in refused]
             self._reserved += len(new)
-        names = [self.redis_key(key) for key in keys]
+        names = [self.redis_keys(key) for key in keys]
         for i in order:
             self._writing[keys[i]] = self._writing.get(keys[i], 0) + 1
         try:
@@ -640,7 +646,7 @@ class RedisBackend(StorageBackend):
         self,
         keys: Sequence[bytes],
         views: list[memoryview],
-        names: list[bytes],
+        names: list[tuple[bytes, bytes]],
         results: list[Outcome],
     ) -> _AddCommands:
         """The function that adds a chunk's commands to a pipeline (see ``_AddCommands``)."""
@@ -652,11 +658,12 @@ class RedisBackend(StorageBackend):
             for i in chunk:
                 view = views[i]
                 header = pack_header(keys[i], view, fingerprint) + view[split:].tobytes()
-                pipe.execute_command("HSET", names[i], _HEADER_FIELD, header,
-                                     _PAYLOAD_FIELD, view[:split])  # fmt: skip
+                header_name, payload_name = names[i]
+                pipe.execute_command("MSET", header_name, header, payload_name, view[:split])
                 if ttl_ms is not None:
-                    pipe.execute_command("PEXPIRE", names[i], ttl_ms)
-            step = 1 if ttl_ms is None else 2
+                    pipe.execute_command("PEXPIRE", header_name, ttl_ms)
+                    pipe.execute_command("PEXPIRE", payload_name, ttl_ms)
+            step = 1 if ttl_ms is None else 3
 
             def read(replies: list[Any]) -> None:
                 for j, i in enumerate(chunk):
@@ -682,13 +689,14 @@ class RedisBackend(StorageBackend):
         if not key_list:
             return []
         results: list[Outcome] = [Outcome.FAILED] * len(key_list)
-        names = [self.redis_key(k) for k in key_list]
-        corrupt: dict[int, bytes] = {}
+        names = [self.redis_keys(k) for k in key_list]
+        corrupt: dict[int, tuple[bytes, bytes]] = {}
+        halves: list[tuple[bytes, bytes]] = []  # blocks with one string gone
         with self._operation():
-            add = self._get_chunk(key_list, views, names, results, corrupt)
+            add = self._get_chunk(key_list, views, names, results, corrupt, halves)
             await self._run(nodes, names, range(len(key_list)), add, writing=False)
-            if corrupt:
-                await self._unlink(nodes, list(corrupt.values()))
+            if corrupt or halves:
+                await self._small(nodes, "UNLINK", [*corrupt.values(), *halves])
         ok = results.count(Outcome.OK)
         self.stats.gets += len(results)
         self.stats.hits += ok
@@ -707,13 +715,14 @@ class RedisBackend(StorageBackend):
         self,
         keys: Sequence[bytes],
         views: list[memoryview],
-        names: list[bytes],
+        names: list[tuple[bytes, bytes]],
         results: list[Outcome],
-        corrupt: dict[int, bytes],
+        corrupt: dict[int, tuple[bytes, bytes]],
+        halves: list[tuple[bytes, bytes]],
     ) -> _AddCommands:
         def add(pipe: Any, chunk: list[int]) -> Callable[[list[Any]], None]:
             for i in chunk:
-                pipe.execute_command("HMGET", names[i], _HEADER_FIELD, _PAYLOAD_FIELD)
+                pipe.execute_command("MGET", *names[i])
 
             def read(replies: list[Any]) -> None:
                 for i, reply in zip(chunk, replies, strict=True):
@@ -721,30 +730,27 @@ class RedisBackend(StorageBackend):
                     results[i] = outcome
                     if outcome is Outcome.CORRUPT:
                         corrupt[i] = names[i]
+                    elif outcome is Outcome.MISSING and reply != [None, None]:
+                        halves.append(names[i])
 
             return read
 
         return add
 
     def _read_reply(self, key: bytes, view: memoryview, reply: Any) -> Outcome:
-        """Verify one ``HMGET`` reply and copy its payload into ``view``."""
+        """Verify one ``MGET`` reply and copy its payload into ``view``."""
         if isinstance(reply, BaseException):
-            if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
-                _log.warning("redis block %s is not a hash (written by another client)", key.hex())
-                return Outcome.CORRUPT
             return self._error_outcome(reply, writing=False)
         raw_header, payload = reply
-        if raw_header is None and payload is None:
+        if raw_header is None or payload is None:  # absent, or half of it evicted or expired
             return Outcome.MISSING
         try:
-            if raw_header is None or payload is None:
-                raise CorruptBlockError("a field is missing")
             header = unpack_header(raw_header)
             tail = self._tail_bytes
             split = self.block_bytes - tail
             if len(raw_header) != HEADER_BYTES + tail or len(payload) != split:
                 raise CorruptBlockError(
-                    f"fields of {len(raw_header)} and {len(payload)} bytes, expected "
+                    f"strings of {len(raw_header)} and {len(payload)} bytes, expected "
                     f"{HEADER_BYTES + tail} and {split}"
                 )
             if header.key != key:
@@ -805,8 +811,8 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
         with self._operation():
-            replies = await self._small(nodes, "EXISTS", [self.redis_key(k) for k in keys])
-        return [None if r is None else bool(r) for r in replies]
+            replies = await self._small(nodes, "EXISTS", [self.redis_keys(k) for k in keys])
+        return [None if r is None else r == 2 for r in replies]  # half a block is no block
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         nodes = self._check_open()
@@ -814,22 +820,19 @@ class RedisBackend(StorageBackend):
         if not key_list:
             return []
         with self._operation():
-            replies = await self._small(nodes, "UNLINK", [self.redis_key(k) for k in key_list])
+            replies = await self._small(nodes, "UNLINK", [self.redis_keys(k) for k in key_list])
         if not self.shared:
             self._held.difference_update(key_list)
         deleted = [bool(r) for r in replies]
         self.stats.deletes += sum(deleted)
         return deleted
 
-    async def _unlink(self, nodes: RedisNodes, names: list[bytes]) -> None:
-        await self._small(nodes, "UNLINK", names)
-
     # -- pipelines ------------------------------------------------------------------------------
 
     async def _run(
         self,
         nodes: RedisNodes,
-        names: list[bytes],
+        names: list[tuple[bytes, bytes]],
         indexes: Sequence[int] | range,
         add: _AddCommands,
         *,
@@ -874,8 +877,11 @@ class RedisBackend(StorageBackend):
         nodes.mark_up(node)
         read(replies)
 
-    async def _small(self, nodes: RedisNodes, command: str, names: list[bytes]) -> list[Any]:
-        """``command name`` for each name, one pipeline per node; None where a node failed."""
+    async def _small(
+        self, nodes: RedisNodes, command: str, names: Sequence[tuple[bytes, bytes]]
+    ) -> list[Any]:
+        """``command header_name payload_name`` per block, one pipeline per node; None where a
+        node failed."""
         await nodes.maybe_refresh()
         replies: list[Any] = [None] * len(names)
 
@@ -885,7 +891,7 @@ class RedisBackend(StorageBackend):
                 return
             pipe = node.client.pipeline(transaction=False)
             for i in items:
-                pipe.execute_command(command, names[i])
+                pipe.execute_command(command, *names[i])
             try:
                 answers = await pipe.execute(raise_on_error=False)
             except (RedisError, OSError) as exc:

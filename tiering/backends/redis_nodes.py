@@ -264,14 +264,17 @@ class RedisNodes:
             return next(iter(self._by_address.values()))
         return self._slots[key_slot(name)]
 
-    def group(self, names: Sequence[bytes], indexes: Iterable[int]) -> dict[RedisNode, list[int]]:
-        """``indexes`` of ``names`` grouped by the node that holds each, in order."""
+    def group(
+        self, names: Sequence[tuple[bytes, ...]], indexes: Iterable[int]
+    ) -> dict[RedisNode, list[int]]:
+        """``indexes`` grouped by the node that holds each item's names (an item's names share
+        a hash tag, so the first one decides), in order."""
         if not self.cluster:
             return {self.node_for(b""): list(indexes)}
         groups: dict[RedisNode, list[int]] = {}
         slots = self._slots
         for i in indexes:
-            groups.setdefault(slots[key_slot(names[i])], []).append(i)
+            groups.setdefault(slots[key_slot(names[i][0])], []).append(i)
         return groups
 
     def mark_stale(self) -> None:
