@@ -66,7 +66,8 @@ Capacity and the two modes (``shared``)
     memory, keys (two per block), evictions, summed over the masters). ``contains`` and
     :meth:`RedisBackend.exists` ask the store (one ``EXISTS`` pipeline per node; ``exists``
     tells "unknown, its node failed" from "absent"), and :meth:`RedisBackend.put_if_absent`
-    writes only what the store does not hold: the pieces a shared tier is built from.
+    writes only the blocks the store does not hold, atomically per block (``MSETNX``), so two
+    nodes never both write one: the pieces a shared tier is built from.
 
 Failures
     At open, wrong credentials, an unreachable server and a cluster that says it is down raise
@@ -563,6 +564,19 @@ class RedisBackend(StorageBackend):
     # -- batch operations -----------------------------------------------------------------------
 
     async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
+        return await self._checked_put(keys, values, if_absent=False)
+
+    async def put_if_absent(
+        self, keys: Sequence[bytes], values: Sequence[memoryview]
+    ) -> list[Outcome]:
+        """Write only the blocks the store does not hold, atomically per block (``MSETNX`` of
+        its two strings): a block that is there already is ``OK``, not rewritten, and counted
+        in ``stats.extra["put_skipped_present"]``. One round trip per node, like ``put``."""
+        return await self._checked_put(keys, values, if_absent=True)
+
+    async def _checked_put(
+        self, keys: Sequence[bytes], values: Sequence[memoryview], *, if_absent: bool
+    ) -> list[Outcome]:
         nodes = self._check_open()
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
@@ -573,42 +587,25 @@ class RedisBackend(StorageBackend):
         ]
         if not key_list:
             return []
+        skipped: set[int] = set()
         with self._operation():
-            results = await self._put(nodes, key_list, views)
+            results = await self._put(nodes, key_list, views, skipped if if_absent else None)
         ok = results.count(Outcome.OK)
         self.stats.puts += len(results)
         self.stats.put_failures += len(results) - ok
-        self.stats.bytes_written += ok * self.block_bytes
-        return results
-
-    async def put_if_absent(
-        self, keys: Sequence[bytes], values: Sequence[memoryview]
-    ) -> list[Outcome]:
-        """Put only the keys the store does not hold; a key it holds is ``OK`` with no write.
-
-        Costs one ``EXISTS`` round trip per node before the puts. Not atomic: two nodes that
-        race may both write a block (either is a valid block for the key, and a reader never
-        sees a torn one). A key whose existence check failed is not written (``FAILED``).
-        """
-        self._check_open()
-        key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
-        if len(values) != len(key_list):
-            raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
-        for i, value in enumerate(values):  # misuse is an error before any I/O
-            _byte_view(value, self.block_bytes, "value", i, writable=False)
-        present = await self.exists(key_list)
-        results = [Outcome.OK if p else Outcome.FAILED for p in present]
-        absent = [i for i, p in enumerate(present) if p is False]
-        self._count("put_skipped_present", sum(1 for p in present if p))
-        if absent:
-            written = await self.put([key_list[i] for i in absent], [values[i] for i in absent])
-            for i, outcome in zip(absent, written, strict=True):
-                results[i] = outcome
+        self.stats.bytes_written += (ok - len(skipped)) * self.block_bytes
+        self._count("put_skipped_present", len(skipped))
         return results
 
     async def _put(
-        self, nodes: RedisNodes, keys: Sequence[bytes], views: list[memoryview]
+        self,
+        nodes: RedisNodes,
+        keys: Sequence[bytes],
+        views: list[memoryview],
+        skipped: set[int] | None,
     ) -> list[Outcome]:
+        """Write the blocks (``MSETNX`` if ``skipped`` is given, which then collects the indexes
+        of blocks that were there already); an outcome per key."""
         last = {key: i for i, key in enumerate(keys)}  # a key twice: the later value wins
         order = sorted(last.values())
         results: list[Outcome] = [Outcome.FAILED] * len(keys)
@@ -628,7 +625,7 @@ class RedisBackend(StorageBackend):
         for i in order:
             self._writing[keys[i]] = self._writing.get(keys[i], 0) + 1
         try:
-            add = self._put_chunk(keys, views, names, results)
+            add = self._put_chunk(keys, views, names, results, skipped)
             await self._run(nodes, names, order, add, writing=True)
         finally:
             for i in order:
@@ -640,6 +637,8 @@ class RedisBackend(StorageBackend):
                 self._held.update(keys[i] for i in order if results[i] is Outcome.OK)
         if len(last) < len(keys):  # earlier copies of a key share its outcome
             results = [results[last[key]] for key in keys]
+            if skipped:
+                skipped.update(j for j, key in enumerate(keys) if last[key] in skipped)
         return results
 
     def _put_chunk(
@@ -648,9 +647,11 @@ class RedisBackend(StorageBackend):
         views: list[memoryview],
         names: list[tuple[bytes, bytes]],
         results: list[Outcome],
+        skipped: set[int] | None,
     ) -> _AddCommands:
         """The function that adds a chunk's commands to a pipeline (see ``_AddCommands``)."""
         ttl_ms = self._ttl_ms
+        command = "MSET" if skipped is None else "MSETNX"
         fingerprint = self.fingerprint
         split = self.block_bytes - self._tail_bytes
 
@@ -659,7 +660,7 @@ class RedisBackend(StorageBackend):
                 view = views[i]
                 header = pack_header(keys[i], view, fingerprint) + view[split:].tobytes()
                 header_name, payload_name = names[i]
-                pipe.execute_command("MSET", header_name, header, payload_name, view[:split])
+                pipe.execute_command(command, header_name, header, payload_name, view[:split])
                 if ttl_ms is not None:
                     pipe.execute_command("PEXPIRE", header_name, ttl_ms)
                     pipe.execute_command("PEXPIRE", payload_name, ttl_ms)
@@ -670,8 +671,10 @@ class RedisBackend(StorageBackend):
                     reply = replies[j * step]
                     if isinstance(reply, BaseException):
                         results[i] = self._error_outcome(reply, writing=True)
-                    else:
-                        results[i] = Outcome.OK
+                        continue
+                    results[i] = Outcome.OK
+                    if skipped is not None and reply == 0:  # MSETNX: a string was there
+                        skipped.add(i)
 
             return read
 
