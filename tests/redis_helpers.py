@@ -6,13 +6,30 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from redis.cluster import ClusterNode
 
 from tiering.backends.redis import RedisBackend
-from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
+from tiering.testing.redis_servers import (
+    RedisClusterProcesses,
+    RedisServer,
+    find_redis_cli,
+    find_redis_server,
+)
 
 Target = RedisServer | RedisClusterProcesses
+
+NO_REDIS = (
+    "redis-server/redis-cli are not installed (apt-get install redis-server redis-tools; "
+    ".ci/run installs them)"
+)
+
+
+def require_redis() -> None:
+    """Skip the calling test if redis-server or redis-cli cannot be found."""
+    if find_redis_server() is None or find_redis_cli() is None:
+        pytest.skip(NO_REDIS)
 
 
 def target_options(target: Target) -> dict[str, Any]:

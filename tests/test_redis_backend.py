@@ -21,6 +21,8 @@ from tiering.keys import make_offload_key
 from tiering.testing import BackendTests
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer, free_port
 
+pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
+
 OK, MISSING, CORRUPT, FULL, FAILED = (
     Outcome.OK,
     Outcome.MISSING,

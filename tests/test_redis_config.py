@@ -18,6 +18,8 @@ from tiering.errors import ConfigError
 from tiering.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
+pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
+
 
 def _write(tmp_path: Path, tiers: str) -> Path:
     path = tmp_path / "tiering.yaml"

@@ -15,15 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_redis
 from redis.crc import key_slot
-from redis_helpers import make_redis_backend
+from redis_helpers import make_redis_backend, require_redis
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
 from tiering.errors import BackendError
 from tiering.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
+
+pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
 
 OK, MISSING, FULL, FAILED = Outcome.OK, Outcome.MISSING, Outcome.FULL, Outcome.FAILED
 WORKER = Path(__file__).parent / "workers" / "redis_worker.py"

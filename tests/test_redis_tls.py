@@ -9,13 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_redis
-from redis_helpers import make_redis_backend
+from redis_helpers import make_redis_backend, require_redis
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
 from tiering.errors import BackendError
 from tiering.testing.redis_servers import RedisServer, free_port
+
+pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
 
 
 def _openssl(*args: str, cwd: Path) -> None:

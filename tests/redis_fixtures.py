@@ -1,4 +1,6 @@
-"""Fixtures shared by test modules: real Redis servers (see tiering.testing.redis_servers).
+"""Real Redis servers for the Redis tests (see tiering.testing.redis_servers), as a pytest
+plugin: a test module names it in ``pytest_plugins = ["redis_fixtures"]`` (not a conftest.py:
+tests/integrations has one, and two top-level ``conftest`` modules collide for mypy).
 
 The session's standalone server and 3-master cluster are started on first use and torn down at
 the end of the session; tests that kill or reconfigure servers start their own. Each test that
@@ -10,24 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from redis_helpers import require_redis
 
-from tiering.testing.redis_servers import (
-    RedisClusterProcesses,
-    RedisServer,
-    find_redis_cli,
-    find_redis_server,
-)
-
-NO_REDIS = (
-    "redis-server/redis-cli are not installed (apt-get install redis-server redis-tools; "
-    ".ci/run installs them)"
-)
-
-
-def require_redis() -> None:
-    """Skip the calling test if redis-server or redis-cli cannot be found."""
-    if find_redis_server() is None or find_redis_cli() is None:
-        pytest.skip(NO_REDIS)
+from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
 
 @pytest.fixture(scope="session")
