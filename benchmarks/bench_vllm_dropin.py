@@ -62,7 +62,7 @@ def _config(extra: dict[str, Any], chunks: int, engine_id: str) -> Any:
     )
 
 
-def _keys(start: int, count: int) -> list[bytes]:
+def _keys(start: int, count: int) -> list[Any]:
     from vllm.v1.kv_offload.base import make_offload_key
 
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + count)]
