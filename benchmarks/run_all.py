@@ -56,10 +56,28 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         ("--batch", "128"),
     ),
     (
+        "bench_redis_tier",
+        "Redis tier against raw pipelined redis-py",
+        "RedisBackend puts and gets of 256 KiB and 2 MiB blocks on a standalone redis-server and "
+        "a 3-master Redis Cluster started by the benchmark, against raw pipelined redis-py with "
+        "the same batches (target: 0.8 or better), and the event-loop lag meanwhile (target: "
+        "p99 5 ms or less).",
+        (),
+    ),
+    (
         "bench_metadata",
         "Manager metadata per operation, 1e3 to 1e6 blocks",
         "Microseconds per stored block (eviction included) and per lookup, and their growth "
         "(targets: 2 us per stored block, 0.5 us per lookup, growth 2x or less).",
+        (),
+    ),
+    (
+        "bench_vllm_dropin",
+        "vLLM drop-in against vLLM's own manager, per connector step",
+        "The calls one request makes in a scheduler step of vLLM 0.33's connector (64 chunk "
+        "lookups and loads, 16 evicting stores, request hooks), on tiering's TieringSpec and "
+        "on vLLM's own TieringOffloadingSpec, CPU tier only (target: 1.0 or more, as fast as "
+        "the manager it replaces).",
         (),
     ),
     (

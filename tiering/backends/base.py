@@ -34,6 +34,12 @@ Lifecycle
     ``open`` prepares storage and, for a persistent backend, rebuilds the index from what is
     stored, keeping only entries that verify; it returns the recovered keys. ``close`` waits for
     in-flight operations and releases everything; it is idempotent. ``async with`` does both.
+Shared stores (``capabilities.shared``)
+    A shared backend's store is written and evicted by others too (other engine nodes, the
+    store's own eviction), so it is its own index: ``open`` enumerates nothing and returns no
+    keys, ``contains`` asks the store (one batched round trip), and a key it reported may be
+    gone by the next ``get`` (``MISSING``). Its capacity is the store's: ``put`` is ``FULL``
+    only when the store refuses for lack of room.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class BackendCapabilities:
     supports_delete: bool
     max_value_bytes: int  # the largest block (payload) it accepts
     zero_copy_reads: bool = False  # get() moves bytes into the caller's buffer with no staging copy
+    shared: bool = False  # others write and evict the store too: it is its own index (see above)
 
 
 @dataclass
