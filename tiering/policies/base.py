@@ -37,8 +37,8 @@ class EvictionPolicy(ABC):
       prefix's first block is the most valuable). Absent keys are ignored.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
-      in ``protected``. Its cost is O(1) amortized per victim, also when the oldest keys are
-      pinned.
+      in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
+      no call pays at once for pinned keys that piled up at the oldest end.
     - No method blocks or does I/O; none is thread-safe.
     """
 
