@@ -66,6 +66,10 @@ from tiering.manager import CPUOffloadingManager
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
 
+# vLLM's log handler writes to stdout, which run_all puts in docs/benchmarks.md: leave logging
+# to Python's defaults (warnings on stderr).
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
 try:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPUManager
