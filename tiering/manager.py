@@ -217,21 +217,13 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("complete_load", misplaced, "req_context")
         key_list = check_keys(keys)
         pins = self._pins
-        wanted: dict[OffloadKey, int] = dict.fromkeys(key_list, 1)
-        if len(wanted) != len(key_list):  # a key listed n times takes n pins
-            wanted = {}
-            for key in key_list:
-                wanted[key] = wanted.get(key, 0) + 1
-        for key, times in wanted.items():
-            pinned = pins.get(key, 0)
-            if pinned < times:
-                raise ProtocolError(
-                    f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
-                    "were prepared"
-                )
+        if len(dict.fromkeys(key_list)) != len(key_list) or not all(
+            map(pins.__contains__, key_list)
+        ):
+            self._check_unpins(key_list)  # raises, naming the first key short of pins
         unpinned: list[OffloadKey] = []
-        for key, times in wanted.items():
-            left = pins[key] - times
+        for key in key_list:
+            left = pins[key] - 1
             if left:
                 pins[key] = left
             else:
@@ -239,6 +231,19 @@ class CPUOffloadingManager(OffloadingManager):
                 unpinned.append(key)
         if unpinned:
             self._policy.set_evictable_many(unpinned, True)
+
+    def _check_unpins(self, key_list: list[OffloadKey]) -> None:
+        """Raise ProtocolError for the first key listed more often than it is pinned."""
+        wanted: dict[OffloadKey, int] = {}
+        for key in key_list:
+            wanted[key] = wanted.get(key, 0) + 1
+        for key, times in wanted.items():
+            pinned = self._pins.get(key, 0)
+            if pinned < times:
+                raise ProtocolError(
+                    f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
+                    "were prepared"
+                )
 
     def _pin(self, key_list: list[OffloadKey]) -> None:
         pins = self._pins

@@ -6,25 +6,29 @@ Every policy list (LRU's single list, ARC's T1 and T2) is one :class:`RecencyOrd
 Stamps. Every use of a key (add, touch) gives it a *stamp* from a counter, so the true recency
 order is the order of stamps. A key's stamp is kept wherever the key is:
 
-- ``_main``: an ``OrderedDict`` key -> stamp of evictable keys, in stamp order (oldest first);
-  adding or touching an evictable key appends it here;
+- ``_main``: an ``OrderedDict`` key -> stamp of the evictable keys. A use appends the key at the
+  tail with a new stamp, so ``_main`` is in stamp order, except for *released* keys (below);
 - ``_parked``: key -> stamp of the keys that may not be evicted (pinned, or being written).
-  Pinning a key takes it out of ``_main`` (or ``_released``) at once, whatever its place, so a
-  victim search never meets a pinned key: nothing is skipped, now or later;
-- ``_released``: key -> stamp of evictable keys out of ``_main``, indexed by a min-heap of
-  ``(stamp, key)`` (entries whose key has moved on since are stale: skipped and compacted away).
-  An unpinned key goes back to the tail of ``_main`` if nothing more recent was appended there
-  since its stamp (the usual case for a store that completes: it was added, not ready, a moment
-  ago), else here.
+  Pinning a key takes it out of ``_main`` at once, whatever its place, so a victim search never
+  meets a pinned key: nothing is skipped, now or later.
 
-The oldest evictable key is the older of ``_main``'s head and the heap's top. A victim search
-(:meth:`take`) pops from those two; protected keys it meets are held aside and go to
-``_released`` when the search ends (:meth:`end_search`), as do the victims of a search the caller
-undoes, each with its own stamp: a search that fails changes nothing a caller can observe.
+Unpinning a key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
+appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
+place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
+key), and a min-heap of ``(stamp, key)`` holds its true place. A heap entry is valid while
+``_main`` maps its key to its stamp (a use, a pin or an eviction since makes it stale; stale
+entries are skipped and compacted away).
+
+Why this is exact. Stamps of the keys in their place increase along ``_main``, and a released
+key sits behind every key in its place that is older than it. So the oldest evictable key is the
+older of the heap's valid top and ``_main``'s head: if the head is released, the heap's top is
+at least as old (the head's own entry is there). A victim search (:meth:`take`) takes from
+those two; protected keys it meets are held aside and return released, as do the victims of a
+search the caller undoes: a search that fails changes nothing a caller can observe.
 
 Cost. Adding, touching and pinning a key are O(1); unpinning is O(1) or one heap push; a victim
-is one ``popitem`` (no heap) or O(log n) heap work. No call does work proportional to the
-number of pinned keys.
+is one ``popitem`` (with nothing released) or O(log n) heap work. No call does work that grows
+with the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import count
 from operator import itemgetter
 
 __all__ = ["RecencyOrder"]
 
-# Rebuild the heap once stale entries outnumber live ones by this factor (plus a floor).
+# Compact the heap once its entries outnumber the valid ones of the last compaction by this
+# factor (plus a floor): O(1) amortized per push.
 _HEAP_SLACK_FACTOR = 2
 _HEAP_SLACK_MIN = 64
 
@@ -56,22 +60,22 @@ class RecencyOrder:
         "_aside",
         "_clock",
         "_heap",
+        "_heap_limit",
         "_last",
         "_main",
         "_parked",
-        "_released",
-        "size",
         "_taken_keys",
         "_taken_stamps",
+        "size",
     )
 
     def __init__(self) -> None:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
-        self._released: dict[bytes, int] = {}
         self._heap: list[tuple[int, bytes]] = []
-        self._clock = count()
-        self._last = -1  # the newest stamp ever appended to _main
+        self._heap_limit = _HEAP_SLACK_MIN
+        self._clock = -1  # the last stamp given (ints: cheaper than itertools.count)
+        self._last = -1  # the newest stamp ever appended to _main in its place
         self._aside: list[tuple[int, bytes]] = []
         self._taken_keys: list[bytes] = []
         self._taken_stamps: list[int] = []
@@ -83,15 +87,14 @@ class RecencyOrder:
         return self.size
 
     def __contains__(self, key: object) -> bool:
-        return key in self._main or key in self._parked or key in self._released
+        return key in self._main or key in self._parked
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys from the oldest to the most recent, pinned ones included."""
-        departed = [*self._parked.items(), *self._released.items()]
-        if not departed:
-            yield from self._main
+        if not self._parked and not self._heap:
+            yield from self._main  # nothing out of place
             return
-        for key, _ in sorted([*departed, *self._main.items()], key=itemgetter(1)):
+        for key, _ in sorted([*self._parked.items(), *self._main.items()], key=itemgetter(1)):
             yield key
 
     @property
@@ -102,9 +105,11 @@ class RecencyOrder:
     def is_evictable(self, key: bytes) -> bool:
         return key not in self._parked
 
+    # -- adding and using keys ----------------------------------------------------------------
+
     def add(self, key: bytes, evictable: bool) -> None:
         """Add an absent ``key`` as the most recent."""
-        stamp = next(self._clock)
+        stamp = self._clock = self._clock + 1
         if evictable:
             self._main[key] = stamp
             self._last = stamp
@@ -114,35 +119,30 @@ class RecencyOrder:
 
     def add_new(self, key: bytes, evictable: bool) -> bool:
         """:meth:`add` if ``key`` is absent; return whether it was."""
-        if key in self._main or key in self._parked or key in self._released:
+        if key in self._main or key in self._parked:
             return False
-        stamp = next(self._clock)
-        if evictable:
-            self._main[key] = stamp
-            self._last = stamp
-        else:
-            self._parked[key] = stamp
-        self.size += 1
+        self.add(key, evictable)
         return True
 
     def held_of(self, keys: Iterable[bytes]) -> list[bytes]:
         """The ``keys`` this order holds, in their order."""
-        main, parked, released = self._main, self._parked, self._released
-        return [k for k in keys if k in main or k in parked or k in released]
+        main, parked = self._main, self._parked
+        return [k for k in keys if k in main or k in parked]
 
     def add_all(self, keys: Sequence[bytes], evictable: bool) -> bool:
         """:meth:`add` each key in order (the last ends most recent); the keys must be absent.
         Returns False, having added none, if a key is listed twice."""
         target = self._main if evictable else self._parked
         before = len(target)
-        clock = self._clock
-        stamp = -1
+        stamp = self._clock
         for key in keys:
-            stamp = target[key] = next(clock)
+            stamp += 1
+            target[key] = stamp
         if len(target) - before != len(keys):
             for key in keys:
                 target.pop(key, None)
             return False
+        self._clock = stamp
         self.size += len(keys)
         if evictable and keys:
             self._last = stamp
@@ -151,99 +151,80 @@ class RecencyOrder:
     def touch(self, key: bytes) -> bool:
         """Make ``key`` the most recent; return whether it was present."""
         main = self._main
-        # Membership first: a KeyError costs more than the probe it would save.
         if key in main:
-            main.move_to_end(key)
-        elif key in self._parked:
-            self._parked[key] = next(self._clock)
+            main.move_to_end(key)  # a released key's heap entry goes stale with its new stamp
+            stamp = main[key] = self._clock = self._clock + 1
+            self._last = stamp
             return True
-        elif self._released.pop(key, None) is None:
-            return False  # absent (a released key's heap entry is now stale)
-        stamp = main[key] = next(self._clock)
-        self._last = stamp
-        return True
+        if key in self._parked:
+            self._parked[key] = self._clock = self._clock + 1
+            return True
+        return False
 
     def touch_all(self, keys: Sequence[bytes]) -> None:
         """:meth:`touch` each key from the last to the first (``keys[0]`` ends most recent);
         absent keys are ignored."""
-        main, parked, released, clock = self._main, self._parked, self._released, self._clock
+        main, parked = self._main, self._parked
         move_to_end = main.move_to_end
-        stamp = self._last
+        stamp = self._clock
+        last = self._last
         for key in reversed(keys):
             if key in main:
                 move_to_end(key)
+                stamp += 1
+                main[key] = last = stamp
             elif key in parked:
-                parked[key] = next(clock)
-                continue
-            elif released.pop(key, None) is None:
-                continue
-            stamp = main[key] = next(clock)
-        self._last = stamp
+                stamp += 1
+                parked[key] = stamp
+        self._clock = stamp
+        self._last = last
 
     def touch_all_promoting(self, keys: Sequence[bytes], into: RecencyOrder) -> None:
         """ARC's touch, from the last key to the first: an evictable key of this order moves to
         ``into`` as its most recent, a pinned one becomes this order's most recent (preparing a
         block is not a second use), any other key is touched in ``into`` (absent: ignored)."""
-        main, parked, released, clock = self._main, self._parked, self._released, self._clock
-        into_main, into_parked, into_released = into._main, into._parked, into._released
-        move_to_end, into_clock = into_main.move_to_end, into._clock
-        into_last = into._last
+        main, parked = self._main, self._parked
+        into_main, into_parked = into._main, into._parked
+        move_to_end = into_main.move_to_end
+        stamp, into_stamp, into_last = self._clock, into._clock, into._last
         moved = 0
         for key in reversed(keys):
-            if key in main:
-                del main[key]
-            elif key in released:
-                del released[key]  # its heap entry is now stale
+            # The lists are disjoint: the likeliest places first.
+            if key in into_main:
+                move_to_end(key)
+            elif key in main:
+                del main[key]  # a released key's heap entry goes stale
+                moved += 1
             elif key in parked:
-                parked[key] = next(clock)
+                stamp += 1
+                parked[key] = stamp
                 continue
-            else:  # not here: a touch in ``into``
-                if key in into_main:
-                    move_to_end(key)
-                elif key in into_parked:
-                    into_parked[key] = next(into_clock)
-                    continue
-                elif into_released.pop(key, None) is None:
-                    continue
-                into_last = into_main[key] = next(into_clock)
+            elif key in into_parked:
+                into_stamp += 1
+                into_parked[key] = into_stamp
                 continue
-            moved += 1  # evictable here: promoted
-            into_last = into_main[key] = next(into_clock)
-        into._last = into_last
+            else:
+                continue  # absent (or a ghost): ignored
+            into_stamp += 1
+            into_main[key] = into_last = into_stamp
+        self._clock, into._clock, into._last = stamp, into_stamp, into_last
         if moved:
             self.size -= moved
             into.size += moved
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
-        if (
-            self._main.pop(key, None) is None
-            and self._parked.pop(key, None) is None
-            and self._released.pop(key, None) is None
-        ):
+        if self._main.pop(key, None) is None and self._parked.pop(key, None) is None:
             return False
         self.size -= 1
         return True
 
+    # -- pins ---------------------------------------------------------------------------------
+
     def set_evictable(self, key: bytes, evictable: bool) -> bool:
         """Allow or forbid evicting ``key``; return whether it was present."""
-        if evictable:
-            stamp = self._parked.pop(key, None)
-            if stamp is None:  # already evictable, or absent
-                return key in self._main or key in self._released
-            if stamp > self._last:  # nothing newer in _main: its place is the tail
-                self._main[key] = stamp
-                self._last = stamp
-            else:
-                self._release(key, stamp)
-            return True
-        stamp = self._main.pop(key, None)
-        if stamp is None:
-            stamp = self._released.pop(key, None)  # its heap entry is now stale
-            if stamp is None:
-                return key in self._parked  # already pinned, or absent
-        self._parked[key] = stamp
-        return True
+        changed, absent = self.set_evictable_each((key,), evictable)
+        return not absent
 
     def set_evictable_each(
         self, keys: Iterable[bytes], evictable: bool
@@ -251,36 +232,39 @@ class RecencyOrder:
         """:meth:`set_evictable` for each key this order holds. Returns the keys it changed and
         the keys it does not hold (both in order); calling it again with the changed keys and
         ``not evictable`` undoes it, exactly as far as any caller can observe."""
-        main, parked, released = self._main, self._parked, self._released
+        main, parked = self._main, self._parked
         changed: list[bytes] = []
         absent: list[bytes] = []
         if evictable:
+            heap = self._heap
             last = self._last
             for key in keys:
                 stamp = parked.pop(key, None)
                 if stamp is None:
-                    if key not in main and key not in released:
+                    if key not in main:
                         absent.append(key)
                     continue
                 changed.append(key)
-                if stamp > last:  # nothing newer in _main: its place is the tail
-                    main[key] = stamp
+                main[key] = stamp
+                if stamp > last:  # nothing newer in _main: the tail is its place
                     last = stamp
-                else:
-                    self._release(key, stamp)
+                else:  # released: the heap keeps its place
+                    _heappush(heap, (stamp, key))
             self._last = last
+            if len(heap) > self._heap_limit:
+                self._compact_heap()
         else:
             for key in keys:
-                stamp = main.pop(key, None)
+                stamp = main.pop(key, None)  # a released key's heap entry goes stale
                 if stamp is None:
-                    stamp = released.pop(key, None)  # its heap entry is now stale
-                    if stamp is None:
-                        if key not in parked:
-                            absent.append(key)
-                        continue
+                    if key not in parked:
+                        absent.append(key)
+                    continue
                 changed.append(key)
                 parked[key] = stamp
         return changed, absent
+
+    # -- victim search ------------------------------------------------------------------------
 
     def take(self, n: int, protected: Container[bytes]) -> list[bytes]:
         """Remove and return up to ``n`` of the oldest evictable keys not in ``protected``,
@@ -288,8 +272,8 @@ class RecencyOrder:
 
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
-        main, heap, released = self._main, self._heap, self._released
-        popitem = main.popitem
+        main, heap = self._main, self._heap
+        popitem, get = main.popitem, main.get
         got: list[bytes] = []
         stamps = self._taken_stamps
         aside = self._aside
@@ -297,13 +281,13 @@ class RecencyOrder:
             # The heap's valid top, if any: the oldest released key.
             while heap:
                 top_stamp, top_key = heap[0]
-                if released.get(top_key) == top_stamp:
+                if get(top_key) == top_stamp:
                     break
-                _heappop(heap)  # stale: touched, pinned or taken since it was pushed
+                _heappop(heap)  # stale: used, pinned or taken since it was pushed
             else:
                 top_stamp = -1
-            # Victims from the head of _main while it is older than the heap's top (all of them
-            # when nothing is released: the usual case).
+            # Victims from the head of _main while it is not newer than the heap's top (all of
+            # them when nothing is released: the usual case).
             while n and main:
                 key, stamp = popitem(False)
                 if 0 <= top_stamp < stamp:
@@ -318,8 +302,10 @@ class RecencyOrder:
                 n -= 1
             if not n or top_stamp < 0:
                 break  # done, or nothing is left anywhere
+            if get(top_key) != top_stamp:
+                continue  # the head was the heap's top: taken or set aside above
             _heappop(heap)
-            del released[top_key]
+            del main[top_key]
             if top_key in protected:
                 aside.append((top_stamp, top_key))
                 continue
@@ -345,28 +331,29 @@ class RecencyOrder:
             taken.clear()
             self._taken_stamps.clear()
         if aside:
-            for stamp, key in aside:
-                self._release(key, stamp)
+            main, heap = self._main, self._heap
+            for stamp, key in aside:  # released: back in _main, the heap keeps their places
+                main[key] = stamp
+                _heappush(heap, (stamp, key))
             aside.clear()
+            if len(heap) > self._heap_limit:
+                self._compact_heap()
 
     def clear(self) -> None:
         self._main.clear()
         self._parked.clear()
-        self._released.clear()
         self._heap.clear()
+        self._heap_limit = _HEAP_SLACK_MIN
         self._aside.clear()
         self._taken_keys.clear()
         self._taken_stamps.clear()
-        self._clock = count()
+        self._clock = -1
         self._last = -1
         self.size = 0
 
-    def _release(self, key: bytes, stamp: int) -> None:
-        self._released[key] = stamp
-        heap = self._heap
-        _heappush(heap, (stamp, key))
-        # Touches and pins leave stale entries behind; rebuilding once they dominate keeps the
-        # heap O(live keys) at O(1) amortized cost.
-        if len(heap) > _HEAP_SLACK_FACTOR * len(self._released) + _HEAP_SLACK_MIN:
-            self._heap = [(s, k) for k, s in self._released.items()]
-            heapq.heapify(self._heap)
+    def _compact_heap(self) -> None:
+        """Drop stale entries (uses, pins and evictions leave them behind)."""
+        get = self._main.get
+        self._heap = [(s, k) for s, k in self._heap if get(k) == s]
+        heapq.heapify(self._heap)
+        self._heap_limit = _HEAP_SLACK_FACTOR * len(self._heap) + _HEAP_SLACK_MIN
