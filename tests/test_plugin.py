@@ -16,7 +16,7 @@ import torch
 from tiering import registry
 from tiering.backends.base import StorageBackend
 from tiering.backends.block_format import HEADER_BYTES
-from tiering.config import build_manager, build_pool, load_config
+from tiering.config import PluginSettings, build_manager, build_pool, load_config, resolve_plugins
 from tiering.errors import ConfigError
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.testing import BackendTests
@@ -125,7 +125,10 @@ def test_a_yaml_tier_of_the_plugin_type_stores_and_promotes_bit_exact(
     config = load_config(config_path)
     (tier,) = config.secondary_tiers
     assert tier.type == "example_dir" and tier.path == tmp_path / "plugged"
-    assert tier.settings == example_plugin.settings_class(io_threads=3)
+    # Reading the config imports no plugin: its keys wait, as written, until it is built.
+    assert tier.settings == PluginSettings({"io_threads": 3}, tmp_path)
+    (resolved,) = resolve_plugins(config).secondary_tiers
+    assert resolved.settings == example_plugin.settings_class(io_threads=3)
 
     pool = build_pool(config)
     rows = pool.rows_view()
@@ -165,11 +168,15 @@ def test_a_bad_plugin_setting_is_a_config_error_naming_the_key(
 ) -> None:
     config_path = tmp_path / "bad.yaml"
     config_path.write_text(CONFIG.replace("io_threads: 3", "io_threads: 0"))
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.io_threads: 0 is too small"):
-        load_config(config_path)
+    config = load_config(config_path)  # the plugin's keys are checked when it is imported
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml:11: secondary_tiers\[0\]\.io_threads: 0 is too small"
+    ):
+        build_manager(config)
     config_path.write_text(CONFIG.replace("io_threads: 3", "io_thread: 3"))
     with pytest.raises(ConfigError, match="unknown key 'io_thread'; did you mean 'io_threads'"):
-        load_config(config_path)
+        resolve_plugins(load_config(config_path))
+    assert not (tmp_path / "plugged").exists()  # refused before anything was created
 
 
 def test_the_test_kits_import_without_pytest_and_say_what_is_missing() -> None:

@@ -37,6 +37,7 @@ from typing import Any
 from tiering.backends.base import Outcome
 from tiering.config import (
     ConfigWarning,
+    PluginSettings,
     TierConfig,
     TieringConfig,
     build_backend,
@@ -103,7 +104,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     ]
     for tier in config.secondary_tiers:
         blocks = ""
-        if layout is not None:
+        if isinstance(tier.settings, PluginSettings):
+            blocks = "(plugin, imported when built)"  # checking a config runs no plugin code
+        elif layout is not None:
             # Constructing the backend validates its settings for this block size; no I/O.
             backend = build_backend(
                 tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint

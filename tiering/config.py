@@ -47,12 +47,14 @@ from tiering.identity import layout_fingerprint
 from tiering.manager import CPUOffloadingManager
 from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
 from tiering.policies import get_policy_class
+from tiering.policies.registry import check_policy_name
 from tiering.pool import CPUBlockPool
 from tiering.registry import (
     BUILTIN_BACKENDS,
     GENERIC_TIER_KEYS,
     NAME_PATTERN,
     BackendEntry,
+    check_backend_type,
     get_backend,
 )
 from tiering.tier import SecondaryTier, WritePolicy
@@ -70,6 +72,7 @@ __all__ = [
     "HashingConfig",
     "MetricsConfig",
     "ModelConfig",
+    "PluginSettings",
     "PrimaryConfig",
     "ReplaySettings",
     "SCALES",
@@ -83,6 +86,7 @@ __all__ = [
     "layout_for_config",
     "load_config",
     "parse_config",
+    "resolve_plugins",
 ]
 
 CONFIG_VERSION = 1
@@ -138,8 +142,24 @@ class PrimaryConfig:
 
 
 @dataclass(frozen=True)
+class PluginSettings:
+    """The backend keys of a tier whose backend is a plugin, as written in the file.
+
+    Checking a config runs no plugin code, so a plugin's keys wait here until the plugin is
+    imported (:func:`resolve_plugins`, which :func:`build_manager` calls) and checked against
+    its settings class then. ``key_lines`` are the keys' lines in the file, for messages.
+    """
+
+    values: dict[str, Any]
+    base_dir: Path
+    key_lines: dict[str, int] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
 class TierConfig:
-    """One secondary tier. ``settings`` is an instance of its backend's settings class."""
+    """One secondary tier. ``settings`` is an instance of its backend's settings class, or
+    :class:`PluginSettings` for a plugin backend not yet imported (see :func:`resolve_plugins`).
+    """
 
     name: str
     type: str
@@ -305,7 +325,11 @@ def _jsonable(value: object) -> Any:
         return value.value
     if isinstance(value, Path):
         return str(value)
-    return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)  # a plugin's raw value YAML gave another type (a date)
 
 
 # -- reading YAML --------------------------------------------------------------------------------
@@ -393,7 +417,11 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
 
 def _load_yaml(text: str, source: str) -> Any:
     """The one YAML document in ``text``, read with :class:`_StrictLoader`."""
-    loader = _StrictLoader(text)
+    try:
+        # The reader checks the text in the constructor: unprintable characters raise there.
+        loader = _StrictLoader(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid config YAML: {exc}") from None
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
@@ -405,6 +433,12 @@ def _load_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{where}: invalid config YAML: {problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid config YAML: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # PyYAML's constructors raise these for some scalars ('!!int x', '2023-02-30').
+        raise ConfigError(
+            f"{source}: invalid config YAML: {type(exc).__name__}: {exc}; write the value as "
+            "a plain number or a quoted string"
+        ) from None
     finally:
         loader.dispose()
 
@@ -543,7 +577,7 @@ def _apply_env_overrides(tree: _LineMap, env: Mapping[str, str], ctx: _Context) 
         if not var.startswith(ENV_PREFIX) or var in IGNORED_ENV_VARS:
             continue
         parts = var[len(ENV_PREFIX) :].split("__")
-        value = _load_yaml(env[var], f"environment variable {var}")
+        value = _load_yaml(env[var], f"{ctx.source}: environment variable {var}")
         if isinstance(value, Mapping | list):
             raise ConfigError(
                 f"{ctx.source}: environment variable {var}: give a single value (a YAML "
@@ -597,9 +631,13 @@ def _override_tier(
         if name is not None and _env_name(name) == tier_name.upper():
             valid = list(GENERIC_TIER_KEYS)
             try:
-                valid += [f.key for f in get_backend(str(item.get("type"))).settings_fields()]
+                entry = check_backend_type(str(item.get("type")))
             except ConfigurationError:
-                valid = [key]  # a bad type: the parser reports it
+                entry = None  # a bad type: the parser reports it
+            if entry is None:
+                valid = [key]  # a plugin's keys are checked when it is imported
+            else:
+                valid += [f.key for f in entry.settings_fields()]
             if key not in valid:
                 raise _override_error(ctx, var, f"tier {name!r}: {unknown_key_message(key, valid)}")
             item[key] = value
@@ -614,21 +652,15 @@ def _override_tier(
 
 
 def _default_tier_name(item: Mapping[str, Any]) -> str | None:
-    """A tier's name: its ``name`` key, else its type's name (None if neither is usable)."""
+    """A tier's name: its ``name`` key, else its type lower-cased, or for a ``module:Class``
+    type the class name lower-cased (None if neither is usable). Imports nothing."""
     name = item.get("name")
     if name is not None:
         return name if isinstance(name, str) else None
     tier_type = item.get("type")
     if not isinstance(tier_type, str):
         return None
-    if ":" not in tier_type:
-        return tier_type.lower()
-    try:
-        cls = get_backend(tier_type).cls
-    except ConfigurationError:
-        return None
-    declared = getattr(cls, "name", None)
-    return declared if isinstance(declared, str) else cls.__name__.lower()
+    return tier_type.rpartition(":")[2].rpartition(".")[2].lower()
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -721,7 +753,7 @@ def _parse_version(data: _LineMap, ctx: _Context) -> int:
 
 def _check_policy(ctx: _Context, name: str, path: str, section: object) -> None:
     try:
-        get_policy_class(name)
+        check_policy_name(name)  # imports nothing; a plugin is loaded when a manager is built
     except ConfigurationError as exc:
         raise ctx.error(path, str(exc), _key_line(section, "policy")) from None
 
@@ -792,22 +824,29 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
             line,
         )
     try:
-        entry = get_backend(item["type"])
+        entry = check_backend_type(item["type"])  # None: a plugin, imported when it is built
     except ConfigurationError as exc:
         raise ctx.error(f"{path}.type", str(exc), _key_line(item, "type")) from None
-    name = _parse_tier_name(ctx, item, path, entry)
+    name = _parse_tier_name(ctx, item, path)
     generic = {k: v for k, v in item.items() if k in _TIER_KEYS}
     keys: _TierKeys = _parse_mapping(ctx, _with_lines(item, generic), path, _TierKeys, line)
     _check_policy(ctx, keys.policy, f"{path}.policy", item)
     backend_keys = {k: v for k, v in item.items() if k not in GENERIC_TIER_KEYS}
-    settings = _parse_mapping(
-        ctx,
-        _with_lines(item, backend_keys),
-        path,
-        entry.settings_class,
-        line,
-        other_keys=GENERIC_TIER_KEYS,
-    )
+    settings: object
+    if entry is None:
+        lines = getattr(item, "key_lines", {})
+        settings = PluginSettings(
+            dict(backend_keys), ctx.base_dir, {k: lines[k] for k in backend_keys if k in lines}
+        )
+    else:
+        settings = _parse_mapping(
+            ctx,
+            _with_lines(item, backend_keys),
+            path,
+            entry.settings_class,
+            line,
+            other_keys=GENERIC_TIER_KEYS,
+        )
     return TierConfig(
         name=name,
         type=item["type"],
@@ -833,10 +872,10 @@ def _with_lines(original: Mapping[str, Any], subset: dict[str, Any]) -> _LineMap
     return out
 
 
-def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry) -> str:
+def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str) -> str:
     name = item.get("name")
     if name is None:
-        name = _default_tier_name(item) or entry.name
+        name = _default_tier_name(item)
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise ctx.error(
             f"{path}.name",
@@ -848,15 +887,19 @@ def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str, entry: B
 
 
 def _parse_tier_path(
-    ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry
+    ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry | None
 ) -> Path | None:
+    """The tier's directory; for a plugin (``entry`` None) whether it needs one is checked when
+    it is imported."""
     line = _key_line(item, "path")
-    if not entry.accepts_path:
+    if entry is not None and not entry.accepts_path:
         if "path" in item:
             raise ctx.error(f"{path}.path", f"the {entry.name!r} backend takes no path", line)
         return None
     raw = item.get("path")
     if raw is None:
+        if entry is None:
+            return None
         raise ctx.error(
             f"{path}.path",
             f"missing; the {entry.name!r} backend keeps its data in a directory: give one "
@@ -865,11 +908,42 @@ def _parse_tier_path(
         )
     if not isinstance(raw, str) or not raw.strip():
         raise ctx.error(f"{path}.path", f"{raw!r} is not valid: give a directory path", line)
-    directory = Path(os.path.normpath(ctx.base_dir / Path(raw).expanduser()))
-    problem = _directory_problem(directory)
+    problem = _path_text_problem(raw)
     if problem:
-        raise ctx.error(f"{path}.path", f"{raw!r}: {problem}", line)
+        raise ctx.error(f"{path}.path", f"{raw!r:.200}: {problem}", line)
+    try:
+        expanded = Path(raw).expanduser()
+    except RuntimeError as exc:  # '~user' of an unknown user, or no home directory
+        raise ctx.error(f"{path}.path", f"{raw!r}: cannot expand '~': {exc}", line) from None
+    directory = Path(os.path.normpath(ctx.base_dir / expanded))
+    problem = _path_text_problem(str(directory)) or _directory_problem(directory)
+    if problem:
+        raise ctx.error(f"{path}.path", f"{raw!r:.200}: {problem}", line)
     return directory
+
+
+# Linux's limits: a file name of at most NAME_MAX bytes, a path of fewer than PATH_MAX bytes.
+_NAME_MAX_BYTES = 255
+_PATH_MAX_BYTES = 4096
+
+
+def _path_text_problem(text: str) -> str | None:
+    """Why ``text`` cannot name a file on this system at all (None if it can)."""
+    if "\0" in text:
+        return "a path cannot contain a NUL character"
+    try:
+        encoded = os.fsencode(text)
+    except UnicodeEncodeError as exc:
+        return f"cannot be encoded as a file name ({exc.reason} at character {exc.start})"
+    if len(encoded) >= _PATH_MAX_BYTES:
+        return f"the path is {len(encoded)} bytes long; the longest is {_PATH_MAX_BYTES - 1}"
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > _NAME_MAX_BYTES:
+        return (
+            f"a part of the path is {len(longest)} bytes long; a file name has at most "
+            f"{_NAME_MAX_BYTES}"
+        )
+    return None
 
 
 def _directory_problem(directory: Path) -> str | None:
@@ -881,8 +955,10 @@ def _directory_problem(directory: Path) -> str | None:
             if not os.access(directory, os.W_OK | os.X_OK):
                 return f"directory {str(directory)!r} is not writable by this user"
             return None
-        parent = directory.parent
+        parent = directory
         while not parent.exists():
+            if os.path.lexists(parent):
+                return f"cannot create {str(directory)!r}: {str(parent)!r} is a broken symlink"
             parent = parent.parent
     except OSError as exc:
         return f"cannot inspect {str(directory)!r}: {exc.strerror or exc}"
@@ -1032,9 +1108,63 @@ def _plugin_tier() -> dict[str, Any]:
 # -- building ----------------------------------------------------------------------------------
 
 
+def resolve_plugins(config: TieringConfig) -> TieringConfig:
+    """``config`` with the plugins it names imported and checked.
+
+    Every policy is loaded, and every plugin tier's keys are checked against its backend's
+    settings class (the result replaces its :class:`PluginSettings`). This runs the plugins'
+    module code, which reading a config never does; :func:`build_manager` calls it. Raises
+    :class:`ConfigError` naming the file and the key.
+    """
+    _load_policy(config.primary.policy, f"{config.source}: primary.policy")
+    tiers = tuple(
+        _resolve_tier(tier, f"{config.source}: secondary_tiers[{index}]")
+        for index, tier in enumerate(config.secondary_tiers)
+    )
+    return dataclasses.replace(config, secondary_tiers=tiers)
+
+
+def _load_policy(name: str, where: str) -> None:
+    try:
+        get_policy_class(name)
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _resolve_tier(tier: TierConfig, where: str) -> TierConfig:
+    """``tier`` with its policy loaded and, for a plugin backend, its settings checked."""
+    _load_policy(tier.policy, f"{where}.policy")
+    raw = tier.settings
+    if not isinstance(raw, PluginSettings):
+        return tier
+    try:
+        entry = get_backend(tier.type)
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}.type: {exc}") from None
+    if entry.accepts_path and tier.path is None:
+        raise ConfigError(
+            f"{where}.path: missing; the {entry.name!r} backend keeps its data in a directory: "
+            "give one"
+        )
+    if not entry.accepts_path and tier.path is not None:
+        raise ConfigError(f"{where}.path: the {entry.name!r} backend takes no path")
+    try:
+        settings = parse_settings(
+            entry.settings_class, raw.values, base_dir=raw.base_dir, other_keys=GENERIC_TIER_KEYS
+        )
+    except SettingsProblem as exc:
+        key = f".{exc.key}" if exc.key else ""
+        line = raw.key_lines.get(exc.key or "")
+        source, _, rest = where.partition(": ")
+        located = f"{source}:{line}: {rest}" if line and rest else where
+        raise ConfigError(f"{located}{key}: {exc.problem}") from None
+    return dataclasses.replace(tier, settings=settings)
+
+
 def build_backend(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> StorageBackend:
     """The tier's backend, constructed but not opened: validates its settings, does no I/O
-    (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them."""
+    (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them.
+    A plugin backend is imported here (see :func:`resolve_plugins`)."""
     return _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint)
 
 
@@ -1087,8 +1217,9 @@ def build_manager(
     :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
     directories are created here; tiers open in the background (call ``wait_ready()`` to wait
     and surface open errors). Raises :class:`ConfigError` before creating anything if a tier
-    cannot be built.
+    cannot be built. The plugins the config names are imported here (:func:`resolve_plugins`).
     """
+    config = resolve_plugins(config)
     if block_bytes is None:
         block_bytes = config.block_bytes()
     if fingerprint is None:
@@ -1118,6 +1249,7 @@ def _create_backend(
     if config is not None:
         index = config.secondary_tiers.index(tier)
         where = f"{config.source}: secondary_tiers[{index}] ({tier.name!r})"
+    tier = _resolve_tier(tier, where)
     try:
         return get_backend(tier.type).create(
             path=tier.path,

@@ -136,6 +136,7 @@ from tiering.backends.block_format import (
     verify_block,
 )
 from tiering.backends.lanes import run_in_lanes
+from tiering.backends.settings import Durability, RecoverMode
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -151,9 +152,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-Durability = Literal["none", "fsync"]
-RecoverMode = Literal["verify", "trust_header", "wipe"]
 
 ALIGN_BYTES = 4096  # O_DIRECT alignment of addresses, lengths and offsets
 HEADER_AREA_BYTES = 4096  # the block header + stamp, padded to the alignment

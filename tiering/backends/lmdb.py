@@ -130,6 +130,7 @@ from tiering.backends.block_format import (
 )
 from tiering.backends.block_format import pack_header as _pack_header
 from tiering.backends.lanes import LaneStep, run_in_lanes
+from tiering.backends.settings import RecoverMode
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -137,7 +138,6 @@ __all__ = ["LMDBBackend", "LMDBGeometry", "RecoverMode", "copy_and_checksum", "l
 
 _log = logging.getLogger(__name__)
 
-RecoverMode = Literal["verify", "trust_header", "wipe"]
 _RECOVER_MODES: Final = ("verify", "trust_header", "wipe")
 
 # LMDB (0.9, 64-bit) layout constants used by the capacity formula.
