@@ -34,16 +34,23 @@ Lifecycle
     ``open`` prepares storage and, for a persistent backend, rebuilds the index from what is
     stored, keeping only entries that verify; it returns the recovered keys. ``close`` waits for
     in-flight operations and releases everything; it is idempotent. ``async with`` does both.
+Files
+    A backend that keeps files in a directory (a ``path``) writes only into a directory that is
+    empty or absent when it first opens it, or that carries tiering's marker
+    (:mod:`tiering.backends.ownership`), and creates only files matching its ``owned_files``
+    patterns there: those are all that ``tiering wipe`` and ``replay --fresh`` delete.
+    Damaged files are never a crash: what does not verify is a miss, and is counted.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self, TypeGuard
+from typing import Any, ClassVar, Self, TypeGuard
 
 __all__ = [
     "BackendCapabilities",
@@ -96,19 +103,41 @@ class StorageBackend(ABC):
 
     Concrete backends take their settings in ``__init__`` (no I/O there) and always receive
     ``block_bytes`` (the payload size of every block) and ``fingerprint`` (16 bytes naming the
-    layout the blocks belong to; see ``block_format.make_layout_fingerprint``).
+    layout the blocks belong to; see ``block_format.make_layout_fingerprint``). A backend may
+    also accept ``layout_description`` (what the fingerprint stands for, see
+    :func:`tiering.identity.layout_identity`), to name layouts in its messages and marker.
     """
 
     #: The name the backend is registered under ("file", "lmdb", ...).
     name: ClassVar[str]
+    #: Glob patterns of the files the backend creates in its directory (``path``): all that
+    #: tiering ever deletes there (see :mod:`tiering.backends.ownership`).
+    owned_files: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, *, block_bytes: int, fingerprint: bytes) -> None:
+    @classmethod
+    def recognizes_directory(cls, path: Path) -> bool:
+        """Whether ``path`` (no tiering marker, only files matching ``owned_files``) holds
+        files this backend wrote (an earlier version of tiering wrote no marker). Reads only."""
+        return False
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int,
+        fingerprint: bytes,
+        layout_description: Mapping[str, Any] | None = None,
+    ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
             raise ValueError(f"fingerprint must be 16 bytes, got {fingerprint!r:.60}")
+        if layout_description is not None and not isinstance(layout_description, Mapping):
+            raise ValueError(
+                f"layout_description must be a mapping, got {layout_description!r:.60}"
+            )
         self.block_bytes = block_bytes
         self.fingerprint = fingerprint
+        self.layout_description = layout_description
         self.stats = BackendStats()
 
     # -- capabilities and accounting (cheap, no I/O) -------------------------------------------

@@ -39,12 +39,14 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
+from tiering.backends.ownership import MismatchPolicy
 from tiering.errors import ConfigurationError
 
 __all__ = [
     "MAX_INT",
     "REQUIRED",
     "Durability",
+    "MismatchPolicy",
     "RecoverMode",
     "SIZE_JSON_SCHEMA",
     "SIZE_PATTERN",
@@ -93,6 +95,12 @@ Durability = Literal["none", "fsync"]
 RecoverMode = Literal["verify", "trust_header", "wipe"]
 
 
+_MISMATCH_DOC = (
+    "when the directory holds blocks of another layout: refuse to open, set_aside (move them "
+    "to a sibling folder), or wipe (delete tiering's files there)"
+)
+
+
 @dataclass(frozen=True)
 class FileSettings:
     """Settings of the ``file`` backend (:class:`~tiering.backends.file.FileBackend`)."""
@@ -120,6 +128,7 @@ class FileSettings:
         default=16,
         metadata={"min": 1, "max": 1024, "doc": "blocks per pwritev/preadv chunk"},
     )
+    on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
 
     def __post_init__(self) -> None:
         if self.o_direct and not hasattr(os, "O_DIRECT"):
@@ -150,6 +159,7 @@ class LMDBSettings:
     map_size_bytes: int | None = field(
         default=None, metadata={"doc": "LMDB map size; null derives it from capacity"}
     )
+    on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
 
     def __post_init__(self) -> None:
         if self.map_async and not self.writemap:
