@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from tiering.backends.base import Outcome
 from tiering.backends.block_format import HEADER_BYTES, MAX_KEY_BYTES, checksum
 from tiering.backends.lmdb import LMDBBackend, copy_and_checksum, lmdb_geometry
+from tiering.backends.ownership import LayoutMismatchError
 from tiering.errors import BackendError, ConfigurationError, InvalidKeyError
 from tiering.keys import make_offload_key
 from tiering.testing.backend_tests import BackendTests
@@ -393,25 +394,72 @@ async def test_recover_wipe_starts_empty(tmp_path: Path) -> None:
         assert await backend.contains(keys) == [False] * 3
 
 
+CHANGED_LAYOUTS = [{"fingerprint": b"another-layout!!"}, {"size": 2 * BLOCK}]
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize(
-    "changed", [{"fingerprint": b"another-layout!!"}, {"size": 2 * BLOCK}], ids=["fp", "size"]
-)
-async def test_another_layout_serves_nothing(tmp_path: Path, changed: dict[str, object]) -> None:
+@pytest.mark.parametrize("changed", CHANGED_LAYOUTS, ids=["fp", "size"])
+async def test_another_layout_is_refused_and_nothing_changes(
+    tmp_path: Path, changed: dict[str, object]
+) -> None:
     path = tmp_path / "db"
     keys = keys_for(4)
     async with backend_at(path) as backend:
         assert await backend.put(keys, payloads(4, seed=8)) == [OK] * 4
-    other = backend_at(path, **changed)  # type: ignore[arg-type]
+    before = {k: v for k, v in _files(path).items() if k != "lock.mdb"}
+    other = backend_at(path, **changed)
+    with pytest.raises(LayoutMismatchError, match=r"holds blocks written for another layout") as e:
+        await other.open()
+    assert f"on disk: layout not described ({BLOCK} bytes per block, fingerprint {FP.hex()})" in (
+        str(e.value)
+    )
+    assert "on_layout_mismatch: set_aside" in str(e.value)
+    assert not other.is_open
+    assert {k: v for k, v in _files(path).items() if k != "lock.mdb"} == before
+    async with backend_at(path) as backend:  # all still there
+        assert await backend.contains(keys) == [True] * 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("changed", CHANGED_LAYOUTS, ids=["fp", "size"])
+async def test_another_layout_wiped_when_asked(tmp_path: Path, changed: dict[str, object]) -> None:
+    path = tmp_path / "db"
+    keys = keys_for(4)
+    async with backend_at(path) as backend:
+        assert await backend.put(keys, payloads(4, seed=8)) == [OK] * 4
+    (path / "README").write_text("an operator's note")
+    other = backend_at(path, on_layout_mismatch="wipe", **changed)
     assert await other.open() == []
     try:
         size = int(changed.get("size", BLOCK))  # type: ignore[call-overload]
         assert await read_back(other, keys, size) == [MISSING] * 4
         assert other.stats.extra["recovery_dropped_blocks"] == 4
+        assert other.stats.extra["layout_mismatches"] == 1
     finally:
         await other.close()
-    async with backend_at(path) as backend:  # dropped for good, not just hidden
+    assert (path / "README").read_text() == "an operator's note"
+    async with backend_at(path, on_layout_mismatch="wipe") as backend:  # dropped for good
         assert await backend.contains(keys) == [False] * 4
+
+
+@pytest.mark.asyncio
+async def test_another_layout_set_aside_keeps_the_old_environment(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    keys = keys_for(4)
+    values = payloads(4, seed=8)
+    async with backend_at(path) as backend:
+        assert await backend.put(keys, values) == [OK] * 4
+    other = backend_at(path, fingerprint=b"another-layout!!", on_layout_mismatch="set_aside")
+    async with other:
+        assert await other.contains(keys) == [False] * 4
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("db.mismatch-")]
+    assert {"data.mdb", "tiering-tier.json"} <= set(os.listdir(aside))
+    async with backend_at(aside) as old:  # the old blocks, intact, under their own layout
+        assert await read_back(old, keys) == [bytes(v) for v in values]
 
 
 @pytest.mark.asyncio

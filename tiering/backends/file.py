@@ -1041,7 +1041,7 @@ class FileBackend(StorageBackend):
         A cancelled put waits for its in-flight writes (it never touches the caller's buffers
         after it returns), then drops them: each key keeps its previous state.
         """
-        self._require_open()
+        self._require_writable()
         checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         views = self._check_buffers(values, len(checked), writable=False)
         results = [Outcome.FULL] * len(checked)
@@ -1173,7 +1173,7 @@ class FileBackend(StorageBackend):
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Drop each key; zero its slot header (then fdatasync, with durability="fsync")."""
-        self._require_open()
+        self._require_writable()
         checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         results: list[bool] = []
         ready: list[int] = []
@@ -1200,8 +1200,16 @@ class FileBackend(StorageBackend):
         return [self._invalidate_in_background(ready)] if ready else []
 
     def _invalidate_in_background(self, slots: list[int]) -> asyncio.Future[Any]:
-        """Zero the slots' header areas on an I/O thread; free them when done (tracked op)."""
+        """Zero the slots' header areas on an I/O thread; free them when done (tracked op).
+
+        Read-only, a slot is only dropped from memory: nothing on disk changes."""
         assert self._pool is not None
+        if self.read_only:
+            for slot in slots:
+                self._slots.release(slot)
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         self._begin_op()
         sync = self.durability == "fsync"
         future = asyncio.wrap_future(self._pool.submit(self._invalidate_slots, slots, sync))
@@ -1451,6 +1459,11 @@ class FileBackend(StorageBackend):
     def _require_open(self) -> None:
         if self._state != "open":
             raise BackendError(f"{self!r} is not open (call and await open() first)")
+
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self.read_only:
+            raise BackendError(f"{self!r} is open read-only: it changes nothing on disk")
 
     def _needs_bounce(self, view: memoryview) -> bool:
         return self.o_direct and not _is_aligned(view)

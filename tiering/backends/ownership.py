@@ -47,6 +47,7 @@ from tiering.errors import BackendError
 __all__ = [
     "MARKER_NAME",
     "MISMATCH_POLICIES",
+    "DamagedStorageError",
     "ForeignDirectoryError",
     "LayoutMismatchError",
     "MismatchPolicy",
@@ -88,6 +89,15 @@ class TierDirectoryError(BackendError):
 
     def __str__(self) -> str:  # OSError would format (errno, strerror)
         return str(self.args[0])
+
+
+class DamagedStorageError(TierDirectoryError):
+    """A read-only backend found its files too damaged to read safely (a writable one sets
+    them aside instead). ``lost_blocks`` is how many blocks they held, if known."""
+
+    def __init__(self, message: str, directory: Path, *, lost_blocks: int | None = None) -> None:
+        super().__init__(message, directory)
+        self.lost_blocks = lost_blocks
 
 
 class ForeignDirectoryError(TierDirectoryError):
