@@ -31,6 +31,17 @@ from typing import Any, Literal
 import yaml
 
 from tiering.backends.base import StorageBackend
+from tiering.backends.block_format import make_layout_fingerprint
+from tiering.backends.ownership import (
+    LayoutMismatchError,
+    LayoutRecord,
+    Removal,
+    TierDirectoryError,
+    check_backend,
+    examine_directory,
+    foreign_directory_error,
+    remove_owned_files,
+)
 from tiering.backends.settings import (
     SIZE_JSON_SCHEMA,
     NoSettings,
@@ -43,7 +54,7 @@ from tiering.backends.settings import (
 )
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.groups import KVCacheSpec
-from tiering.identity import layout_fingerprint
+from tiering.identity import layout_identity
 from tiering.manager import CPUOffloadingManager
 from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
 from tiering.policies import get_policy_class
@@ -77,16 +88,19 @@ __all__ = [
     "ReplaySettings",
     "SCALES",
     "TierConfig",
+    "TierDirectoryFinding",
     "TieringConfig",
     "build_backend",
     "build_manager",
     "build_pool",
     "build_tier",
+    "check_tier_directories",
     "config_json_schema",
     "layout_for_config",
     "load_config",
     "parse_config",
     "resolve_plugins",
+    "wipe_tier",
 ]
 
 CONFIG_VERSION = 1
@@ -278,10 +292,10 @@ class TieringConfig:
         """Bytes of one offloaded block over all ranks: one pool row, what every tier stores."""
         return self.block_bytes_per_rank() * self.require_model().world_size
 
-    def fingerprint(self) -> bytes:
-        """The 16-byte layout fingerprint written in (and checked on) every stored block."""
+    def layout_description(self) -> dict[str, object]:
+        """What a stored block's bytes mean (:func:`tiering.identity.layout_identity`)."""
         shape = self.model_shape()
-        return layout_fingerprint(
+        return layout_identity(
             self.kv_cache_spec(),
             block_bytes=self.block_bytes(),
             dtype=shape.dtype,
@@ -289,6 +303,10 @@ class TieringConfig:
             hash_algorithm=self.hashing.algorithm,
             model=shape.name,
         )
+
+    def fingerprint(self) -> bytes:
+        """The 16-byte layout fingerprint written in (and checked on) every stored block."""
+        return make_layout_fingerprint(self.layout_description())
 
     def num_cpu_blocks(self, block_bytes: int | None = None) -> int:
         """Blocks the primary's capacity holds; :class:`ConfigError` if none."""
@@ -1161,16 +1179,148 @@ def _resolve_tier(tier: TierConfig, where: str) -> TierConfig:
     return dataclasses.replace(tier, settings=settings)
 
 
-def build_backend(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> StorageBackend:
+def build_backend(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+    read_only: bool = False,
+) -> StorageBackend:
     """The tier's backend, constructed but not opened: validates its settings, does no I/O
     (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them.
-    A plugin backend is imported here (see :func:`resolve_plugins`)."""
-    return _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint)
+    A plugin backend is imported here (see :func:`resolve_plugins`). ``read_only`` opens
+    nothing for writing (``tiering inspect``); a backend without that mode is a ConfigError."""
+    return _create_backend(
+        tier,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        layout_description=layout_description,
+        read_only=read_only,
+    )
 
 
-def build_tier(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> SecondaryTier:
+def build_tier(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+) -> SecondaryTier:
     """A :class:`SecondaryTier` over :func:`build_backend`'s backend."""
-    return _wrap_tier(tier, build_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint))
+    backend = build_backend(
+        tier,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        layout_description=layout_description,
+    )
+    return _wrap_tier(tier, backend)
+
+
+def wipe_tier(tier: TierConfig) -> Removal:
+    """Delete tiering's own files from the tier's directory, then the directory if that left it
+    empty; an operator's files stay. Raises :class:`ConfigError` (nothing deleted) if the
+    directory is not tiering's or holds another backend's tier. A plugin backend is imported
+    (its class says which files are its own)."""
+    if tier.path is None:
+        return Removal((), (), False)
+    try:
+        cls = get_backend(tier.type).cls
+        return remove_owned_files(
+            tier.path,
+            backend=cls.name,
+            owned_files=cls.owned_files,
+            recognizes=cls.recognizes_directory,
+        )
+    except (ConfigurationError, TierDirectoryError) as exc:
+        raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+
+
+# -- tier directories, before anything opens ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierDirectoryFinding:
+    """Something :func:`check_tier_directories` found in a tier's directory.
+
+    ``severity`` is ``"error"`` (the tier will not open: :func:`build_manager` refuses the
+    config), ``"warning"`` (it will open after acting as configured: old data set aside or
+    wiped) or ``"note"``.
+    """
+
+    tier: str
+    path: Path
+    severity: Literal["error", "warning", "note"]
+    message: str
+
+
+def check_tier_directories(
+    config: TieringConfig, layout: BlockLayout | None = None
+) -> list[TierDirectoryFinding]:
+    """What each built-in tier will meet in its directory when it opens; changes nothing.
+
+    Reads each directory's listing and tiering marker (:mod:`tiering.backends.ownership`): a
+    directory that is not tiering's, one holding another backend's tier, and one holding
+    blocks of another layout than ``layout`` (default: the config's model, if it has one) are
+    reported, with what the tier's ``on_layout_mismatch`` will do. Plugin tiers are skipped
+    (checking a config imports no plugin).
+    """
+    if layout is None and config.model is not None:
+        layout = layout_for_config(config)
+    findings = []
+    for index, tier in enumerate(config.secondary_tiers):
+        if tier.path is None or isinstance(tier.settings, PluginSettings):
+            continue
+        where = f"{config.source}: secondary_tiers[{index}] ({tier.name!r})"
+        for severity, message in _directory_findings(tier, layout):
+            findings.append(
+                TierDirectoryFinding(tier.name, tier.path, severity, f"{where}: {message}")
+            )
+    return findings
+
+
+def _directory_findings(
+    tier: TierConfig, layout: BlockLayout | None
+) -> list[tuple[Literal["error", "warning", "note"], str]]:
+    assert tier.path is not None
+    cls = get_backend(tier.type).cls  # a built-in or registered class: no plugin import
+    try:
+        found = examine_directory(
+            tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
+        )
+        if found.state == "foreign":
+            raise foreign_directory_error(found, what="the tier directory")
+        check_backend(found, cls.name)
+    except TierDirectoryError as exc:
+        return [("error", str(exc))]
+    if found.state == "damaged_marker":
+        return [
+            (
+                "note",
+                f"the tiering marker in {str(tier.path)!r} is unreadable; the tier "
+                "will check its own records when it opens, and rewrite the marker",
+            )
+        ]
+    if found.marker is None or layout is None or found.marker.layout.matches(layout.record()):
+        return []
+    mismatch = LayoutMismatchError(
+        tier.path, found.marker.layout, layout.record(), what="the tier directory"
+    )
+    policy = getattr(tier.settings, "on_layout_mismatch", "refuse")
+    if policy == "refuse":
+        return [("error", str(mismatch))]
+    action = {
+        "set_aside": "its files will be moved to a sibling folder when it opens",
+        "wipe": "tiering's files there will be deleted when it opens",
+    }[policy]
+    return [
+        (
+            "warning",
+            f"{str(tier.path)!r} holds blocks of another layout ("
+            f"{found.marker.layout.difference(layout.record())}); on_layout_mismatch: {policy}: "
+            f"{action}",
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -1179,12 +1329,17 @@ class BlockLayout:
 
     block_bytes: int  # one offloaded block over all ranks (one CPU pool row)
     fingerprint: bytes
+    description: Mapping[str, Any] | None = None  # what the fingerprint stands for
+
+    def record(self) -> LayoutRecord:
+        return LayoutRecord(self.block_bytes, self.fingerprint, self.description)
 
 
 def layout_for_config(config: TieringConfig) -> BlockLayout:
-    """The block size and layout fingerprint ``config.model`` gives (:class:`ConfigError`
-    if the config has no model)."""
-    return BlockLayout(config.block_bytes(), config.fingerprint())
+    """The block size, layout fingerprint and layout description ``config.model`` gives
+    (:class:`ConfigError` if the config has no model)."""
+    description = config.layout_description()
+    return BlockLayout(config.block_bytes(), make_layout_fingerprint(description), description)
 
 
 def build_pool(config: TieringConfig, *, block_bytes: int | None = None) -> CPUBlockPool:
@@ -1220,13 +1375,32 @@ def build_manager(
     cannot be built. The plugins the config names are imported here (:func:`resolve_plugins`).
     """
     config = resolve_plugins(config)
+    description = None
+    if config.model is not None:
+        layout = layout_for_config(config)
+        if block_bytes in (None, layout.block_bytes) and fingerprint in (None, layout.fingerprint):
+            description = layout.description
     if block_bytes is None:
         block_bytes = config.block_bytes()
     if fingerprint is None:
         fingerprint = config.fingerprint()
     num_blocks = config.num_cpu_blocks(block_bytes)
+    # Refuse before anything opens: a directory that is not tiering's, or holds another layout.
+    errors = [
+        f.message
+        for f in check_tier_directories(config, BlockLayout(block_bytes, fingerprint, description))
+        if f.severity == "error"
+    ]
+    if errors:
+        raise ConfigError("; and ".join(errors))
     backends = [
-        _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint, config=config)
+        _create_backend(
+            tier,
+            block_bytes=block_bytes,
+            fingerprint=fingerprint,
+            layout_description=description,
+            config=config,
+        )
         for tier in config.secondary_tiers
     ]
     tiers = [_wrap_tier(t, b) for t, b in zip(config.secondary_tiers, backends, strict=True)]
@@ -1243,6 +1417,8 @@ def _create_backend(
     *,
     block_bytes: int,
     fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+    read_only: bool = False,
     config: TieringConfig | None = None,
 ) -> StorageBackend:
     where = f"tier {tier.name!r} ({tier.type})"
@@ -1257,6 +1433,8 @@ def _create_backend(
             block_bytes=block_bytes,
             fingerprint=fingerprint,
             settings=tier.settings,
+            layout_description=layout_description,
+            read_only=read_only,
         )
     except (ConfigurationError, ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc

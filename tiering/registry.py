@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +105,11 @@ class BackendEntry:
     @property
     def accepts_path(self) -> bool:
         """Whether the backend takes a ``path`` (a directory it owns)."""
-        return "path" in inspect.signature(self.cls.__init__).parameters
+        return self.accepts("path")
+
+    def accepts(self, keyword: str) -> bool:
+        """Whether the backend's ``__init__`` names the keyword argument ``keyword``."""
+        return keyword in inspect.signature(self.cls.__init__).parameters
 
     def settings_fields(self) -> tuple[SettingsField, ...]:
         return settings_fields(self.settings_class)
@@ -118,8 +122,14 @@ class BackendEntry:
         block_bytes: int,
         fingerprint: bytes,
         settings: object,
+        layout_description: Mapping[str, Any] | None = None,
+        read_only: bool = False,
     ) -> StorageBackend:
-        """A new (not yet opened) backend: ``cls(path=..., capacity_bytes=..., ...)``."""
+        """A new (not yet opened) backend: ``cls(path=..., capacity_bytes=..., ...)``.
+
+        ``layout_description`` is passed if the class takes it. ``read_only`` (for
+        ``tiering inspect``) needs a class that takes it: :class:`ConfigurationError` otherwise.
+        """
         if not isinstance(settings, self.settings_class):
             raise ConfigurationError(
                 f"backend {self.name!r} takes settings of type "
@@ -130,6 +140,12 @@ class BackendEntry:
             if path is None:
                 raise ConfigurationError(f"backend {self.name!r} needs a path (a directory)")
             kwargs["path"] = path
+        if layout_description is not None and self.accepts("layout_description"):
+            kwargs["layout_description"] = layout_description
+        if read_only:
+            if not self.accepts("read_only"):
+                raise ConfigurationError(f"backend {self.name!r} has no read-only mode")
+            kwargs["read_only"] = True
         factory: Callable[..., StorageBackend] = self.cls  # concrete classes take more keywords
         return factory(
             capacity_bytes=capacity_bytes,
