@@ -411,7 +411,7 @@ async def test_another_layout_is_refused_and_nothing_changes(
     async with backend_at(path) as backend:
         assert await backend.put(keys, payloads(4, seed=8)) == [OK] * 4
     before = {k: v for k, v in _files(path).items() if k != "lock.mdb"}
-    other = backend_at(path, **changed)
+    other = backend_at(path, **changed)  # type: ignore[arg-type]
     with pytest.raises(LayoutMismatchError, match=r"holds blocks written for another layout") as e:
         await other.open()
     assert f"on disk: layout not described ({BLOCK} bytes per block, fingerprint {FP.hex()})" in (
@@ -432,7 +432,7 @@ async def test_another_layout_wiped_when_asked(tmp_path: Path, changed: dict[str
     async with backend_at(path) as backend:
         assert await backend.put(keys, payloads(4, seed=8)) == [OK] * 4
     (path / "README").write_text("an operator's note")
-    other = backend_at(path, on_layout_mismatch="wipe", **changed)
+    other = backend_at(path, on_layout_mismatch="wipe", **changed)  # type: ignore[arg-type]
     assert await other.open() == []
     try:
         size = int(changed.get("size", BLOCK))  # type: ignore[call-overload]
