@@ -174,7 +174,7 @@ _BLOCKS_DB: Final = b"blocks"
 _META_DB: Final = b"meta"
 _LAYOUT_KEY: Final = b"layout"
 _TICK_KEY: Final = b"tick"
-_LOCK_FILE: Final = "tiering-lmdb.lock"  # written by earlier versions; still tiering's
+_LOCK_FILE: Final = "tiering-lmdb.lock"  # only tiering creates it: it marks tiering's LMDB
 _DATA_FILE: Final = "data.mdb"
 _LMDB_LOCK_FILE: Final = "lock.mdb"
 _DAMAGED_SUFFIX: Final = ".damaged"
@@ -320,10 +320,18 @@ async def _wait_uncancellable(futures: Sequence[concurrent.futures.Future[_T]]) 
 
 
 class _DirectoryLock:
-    """An exclusive ``flock`` on the directory: one backend (or inspection) at a time."""
+    """An exclusive ``flock`` on a file in the directory: one backend (or inspection) at a
+    time. Read-only, the file is not created: if there is none, no backend ever wrote here and
+    the directory itself is locked."""
 
-    def __init__(self, directory: str) -> None:
-        self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def __init__(self, directory: str, *, read_only: bool = False) -> None:
+        path = os.path.join(directory, _LOCK_FILE)
+        if not read_only:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        elif os.path.exists(path):
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -1101,7 +1109,7 @@ class LMDBBackend(StorageBackend):
         if found.state == "absent":  # read-only: nothing was ever stored here
             self._index = set()
             return []
-        lock = _DirectoryLock(self.path)
+        lock = _DirectoryLock(self.path, read_only=self.read_only)
         env: lmdb.Environment | None = None
         try:
             if not self._check_files():  # read-only, and no data file: nothing stored
@@ -1319,36 +1327,46 @@ class LMDBBackend(StorageBackend):
                     dropped = txn.stat(blocks_db)["entries"]
                     txn.drop(blocks_db, delete=False)
                 txn.put(_LAYOUT_KEY, self._layout_record())
-        good: list[bytes] = []
+        good: dict[bytes, None] = {}  # ordered, and a key a damaged page repeats counts once
         bad: list[bytes] = []
         verify_payload = self.recover == "verify"
         with env.begin(db=blocks_db, buffers=True) as rtxn:
+            claimed = rtxn.stat(blocks_db)["entries"]
             for key_view, raw in rtxn.cursor().iternext():
                 key = bytes(key_view)
                 if self._stored_value_ok(key, raw, verify_payload=verify_payload):
-                    good.append(key)
+                    good[key] = None
                 else:
                     bad.append(key)
-        surplus = good[self._geometry.capacity_blocks :]
-        del good[self._geometry.capacity_blocks :]
+            # A damaged page can leave a key that a walk finds but a lookup does not (keys out
+            # of order): get() could never serve it.
+            unreachable = [key for key in good if rtxn.get(key) is None]
+        for key in unreachable:
+            del good[key]
+        # A damaged leaf page can hide entries from the cursor: they are lost too, and counted.
+        unseen = max(0, claimed - len(good) - len(bad))
+        kept = list(good)
+        surplus = kept[self._geometry.capacity_blocks :]
+        del kept[self._geometry.capacity_blocks :]
         doomed = bad + surplus
-        self._index = set(good) | set(doomed)
+        self._index = set(kept) | set(doomed)
         if doomed and not self.read_only:
             self._run_group([_Job("delete", doomed, None)])  # grows the map if it must
-        self._index = set(good)
-        self._count("recovered_blocks", len(good))
-        self._count("recovery_dropped_blocks", dropped + len(doomed))
-        if doomed or dropped:
+        self._index = set(kept)
+        self._count("recovered_blocks", len(kept))
+        self._count("recovery_dropped_blocks", dropped + len(doomed) + unseen)
+        if doomed or dropped or unseen:
             _log.warning(
                 "LMDB at %s: dropped %d stored blocks at open (%d did not verify, %d over "
-                "capacity, %d of another layout or wiped)",
+                "capacity, %d of another layout or wiped, %d unreachable in a damaged page)",
                 self.path,
-                dropped + len(doomed),
+                dropped + len(doomed) + unseen,
                 len(bad),
                 len(surplus),
                 dropped,
+                unseen,
             )
-        return good
+        return kept
 
     def _close_on_writer(self) -> None:
         env, self._env = self._env, None

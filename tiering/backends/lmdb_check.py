@@ -122,6 +122,13 @@ class _Walker:
         self.psize, self.last = psize, last_pg
         self.result.page_bytes, self.result.last_page = psize, last_pg
         if (last_pg + 1) * psize > self.result.file_bytes:
+            # Count what is lost, from the pages that are still there, before refusing.
+            self.last = self.result.file_bytes // psize - 1
+            try:
+                for name, record in self.tree(main_db, "the main database", subdbs=True):
+                    self.result.entries[name] = _DB.unpack(record)[6]
+            except _Damaged:
+                self.result.entries.clear()
             raise _Damaged(
                 f"the meta page (transaction {txnid}) uses pages up to {last_pg} of "
                 f"{psize} bytes ({(last_pg + 1) * psize} bytes), but the file is "
