@@ -1301,7 +1301,12 @@ def _directory_findings(
                 "will check its own records when it opens, and rewrite the marker",
             )
         ]
-    if found.marker is None or layout is None or found.marker.layout.matches(layout.record()):
+    if (
+        found.marker is None
+        or not found.holds_data
+        or layout is None
+        or found.marker.layout.matches(layout.record())
+    ):
         return []
     mismatch = LayoutMismatchError(
         tier.path, found.marker.layout, layout.record(), what="the tier directory"

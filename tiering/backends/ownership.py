@@ -248,10 +248,17 @@ class TierDirectory:
     marker: TierMarker | None = None
     foreign: tuple[str, ...] = ()  # entries that are not the backend's (state "foreign")
 
+    #: tiering's files in it besides the marker (its data), by name
+    data_files: tuple[str, ...] = ()
+
     @property
     def usable(self) -> bool:
         """Whether the backend may claim it (it is tiering's, or empty)."""
         return self.state != "foreign"
+
+    @property
+    def holds_data(self) -> bool:
+        return bool(self.data_files)
 
 
 def read_marker(directory: Path) -> TierMarker | None:
@@ -312,12 +319,20 @@ def examine_directory(
         raise TierDirectoryError(f"cannot list {str(directory)!r}: {exc}", directory) from exc
     if not names:
         return TierDirectory(directory, "empty")
+    data_files = tuple(
+        name
+        for name in names
+        if owns(name, owned_files)
+        and name != MARKER_NAME
+        and not fnmatch.fnmatch(name, _TMP_PATTERN)
+    )
     if MARKER_NAME in names:
         marker = read_marker(directory)
-        return TierDirectory(directory, "marked" if marker else "damaged_marker", marker)
+        state: DirectoryState = "marked" if marker else "damaged_marker"
+        return TierDirectory(directory, state, marker, data_files=data_files)
     foreign = tuple(name for name in names if not owns(name, owned_files))
     if not foreign and recognizes is not None and recognizes(directory):
-        return TierDirectory(directory, "legacy")
+        return TierDirectory(directory, "legacy", data_files=data_files)
     return TierDirectory(directory, "foreign", foreign=foreign or tuple(names))
 
 
@@ -440,13 +455,16 @@ def remove_owned_files(
     if found.state == "absent":
         return Removal((), (), False)
     if found.state == "foreign":
-        raise foreign_directory_error(found, what="tier directory")
+        raise foreign_directory_error(found, what="the tier directory")
     check_backend(found, backend)
     names = sorted(os.listdir(directory))
     mine = [n for n in names if owns(n, owned_files) and n != MARKER_NAME]
     kept = tuple(n for n in names if not owns(n, owned_files))
+    # With an operator's files left in it, the directory stays tiering's (marked), and empty
+    # of data: the tier can use it again.
+    marker = [MARKER_NAME] if MARKER_NAME in names and not kept else []
     removed = []
-    for name in [*mine, *([MARKER_NAME] if MARKER_NAME in names else [])]:
+    for name in [*mine, *marker]:
         path = directory / name
         if os.path.isdir(path) and not os.path.islink(path):
             kept += (name,)  # tiering makes no subdirectories: not ours after all
