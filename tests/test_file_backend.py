@@ -20,7 +20,7 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,17 @@ def payload(i: int, version: int = 0, size: int = BLOCK) -> bytes:
 
 def views(payloads: Sequence[bytes]) -> list[memoryview]:
     return [memoryview(bytearray(p)) for p in payloads]
+
+
+# Waits for something a correct backend does at once: only a hang (a bug) reaches this bound,
+# which no load does; no test measures time against it.
+HANG_GUARD_S = 300
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll until ``condition()`` holds (bound it with ``asyncio.wait_for``)."""
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 def new_backend(path: Path, n_slots: int = 8, **options: Any) -> FileBackend:
@@ -698,7 +709,7 @@ class GatedOps(FileOps):
         self.gate.clear()
 
     async def wait_entered(self) -> None:
-        assert await asyncio.to_thread(self.entered.wait, 10)
+        assert await asyncio.to_thread(self.entered.wait, HANG_GUARD_S)
 
     def open_gate(self) -> None:
         self.gate.set()
@@ -710,7 +721,7 @@ class GatedOps(FileOps):
                 self.armed = None
         if hold:
             self.entered.set()
-            assert self.gate.wait(10)
+            assert self.gate.wait(HANG_GUARD_S)
 
     def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
         self._maybe_hold("pwritev")
@@ -793,10 +804,7 @@ async def test_a_held_write_does_not_hold_the_rest_of_its_put(tmp_path: Path) ->
         ops.arm("pwritev")
         putting = asyncio.ensure_future(backend.put(keys, views([payload(i) for i in range(5)])))
         await ops.wait_entered()
-        for _ in range(1000):
-            if ops.writes_done == 4:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(until(lambda: ops.writes_done == 4), HANG_GUARD_S)
         assert ops.writes_done == 4 and not putting.done()
         ops.open_gate()
         assert await putting == [OK] * 5
@@ -884,7 +892,7 @@ class OverlappingFsyncOps(FileOps):
             self.arrived += 1
             mine = self.arrived
         if mine == 1:
-            assert self.second_failed.wait(timeout=10)
+            assert self.second_failed.wait(timeout=HANG_GUARD_S)
             os.fdatasync(fd)
         elif mine == 2:
             self.second_failed.set()

@@ -21,7 +21,7 @@ from tiering.backends.lmdb import LMDBBackend
 from tiering.backends.ownership import MARKER_NAME, ForeignDirectoryError, TierDirectoryError
 from tiering.config import build_manager, build_pool, check_tier_directories, load_config
 from tiering.errors import ConfigError
-from tiering.keys import make_offload_key
+from tiering.keys import OffloadKey, make_offload_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def write_config(
     return path
 
 
-def key(i: int) -> bytes:
+def key(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(32, "big"), 0)
 
 

@@ -464,7 +464,11 @@ def _check_study_options(args: argparse.Namespace) -> _StudyOptions | None:
 
 def _check_plot_target(path: Path) -> None:
     """matplotlib is installed and ``path`` can be written (a PNG file)."""
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        found = False
+    if not found:
         raise TieringError("--plot needs matplotlib: pip install 'tiering[plot]' (or matplotlib)")
     if path.suffix.lower() != ".png":
         raise TieringError(f"--plot: {str(path)!r} must name a .png file")
