@@ -39,7 +39,9 @@ one key (every ``OK`` get returns one written payload exactly); cancelled puts a
 (afterwards ``OK`` with the exact payload or ``MISSING``, never corrupt, and the backend keeps
 working); misuse errors raised before any I/O (``ValueError`` for buffer sizes,
 ``InvalidKeyError`` for keys, ``BackendError`` when not open); idempotent ``close``; hostile
-key bytes; and that the event loop keeps running while a large put or get is in flight.
+key bytes; and that a large put or get leaves the event loop free (measured without a clock:
+another task runs while it is in flight, and the loop's thread spends at most half of the call's
+CPU time, see :mod:`tiering.testing.loop_use`).
 
 Hooks a subclass may override: :meth:`capacity_bytes_for` (how much ``capacity_bytes`` gives
 room for ``n`` blocks; the default adds 8 KiB per block), :meth:`expected_usage_bytes` (exact
