@@ -13,6 +13,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
+	@echo "make install: installing torch, tiering and the dev tools into $(VENV) (about a minute the first time)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)

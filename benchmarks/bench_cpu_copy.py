@@ -1,8 +1,9 @@
-"""CPU tier copy speed: KVBlockCopier store/load against a plain memcpy of the same bytes.
+"""CPU tier copy speed: TransferEngine stores/loads against a plain memcpy of the same bytes.
 
 For each block size, a blocks-first KV tensor of ``2 N`` blocks and a pool of ``2 N`` slots;
-each op moves ``N`` blocks between random engine blocks and random pool slots. Reference rows,
-measured in the same run and interleaved with the copier per repetition: ``dst.copy_(src)`` of
+each op moves ``N`` blocks between random engine blocks and random pool slots, submitted to a
+:class:`TransferEngine` (strategy ``memmove``, on its worker thread) and waited for. Reference
+rows, measured in the same run and interleaved with the engine per repetition: ``dst.copy_(src)`` of
 the same bytes contiguously (the physical limit) and ``index_copy_`` of uint8 rows (the naive
 scatter). GB/s = 1e9 payload bytes per second, median over repetitions, one torch thread.
 
@@ -21,7 +22,8 @@ import torch
 
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.layout import register_kv_caches
-from tiering.pool import CPUBlockPool, KVBlockCopier, PoolTransfer
+from tiering.pool import CPUBlockPool
+from tiering.transfer import PoolTransfer, TransferEngine
 
 BLOCK_SIZES_BYTES = (16 << 10, 256 << 10, 2 << 20)
 
@@ -44,7 +46,7 @@ def bench_block_size(block_bytes: int, moved_bytes: int, reps: int) -> dict[str,
     engine = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8)
     caches = register_kv_caches({"layer": engine}, spec, num_blocks)
     pool = CPUBlockPool(num_blocks, caches.offloaded_block_bytes_per_rank())
-    copier = KVBlockCopier(caches, pool)
+    transfers = TransferEngine(caches, pool)
     job = PoolTransfer(
         torch.randperm(num_blocks)[:num_moved].numpy(),
         (num_moved,),
@@ -58,8 +60,8 @@ def bench_block_size(block_bytes: int, moved_bytes: int, reps: int) -> dict[str,
     rows = pool.rows_view()
     ops: dict[str, Callable[[], object]] = {
         "memcpy": lambda: dst.copy_(src),
-        "store": lambda: copier.store(job),
-        "load": lambda: copier.load(job),
+        "store": lambda: transfers.wait(transfers.submit_store(job)),
+        "load": lambda: transfers.wait(transfers.submit_load(job)),
         "index_copy_u8": lambda: rows.index_copy_(0, slot_index, staging),
     }
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -68,6 +70,7 @@ def bench_block_size(block_bytes: int, moved_bytes: int, reps: int) -> dict[str,
     for _ in range(reps):
         for name, fn in ops.items():
             times[name].append(_time(fn))
+    transfers.close()
     pool.close()
     gbps = {name: _gbps(nbytes, seconds) for name, seconds in times.items()}
     return {

@@ -82,7 +82,20 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Heartbeat lag of the caller's loop and the manager's I/O loop (target: p99 5 ms or less).",
         (),
     ),
+    (
+        "bench_gpu_transfer",
+        "GPU <-> pinned CPU transfers against the PCIe limit",
+        "Stores and loads of 2 MiB blocks (llama-3-8b KV: 32 layers of FlashAttention K/V pages "
+        "of 32 KiB) through the transfer engine with each copy strategy, against one contiguous "
+        "pinned copy of the same bytes; the time submit holds the caller; matmul slowdown while "
+        "transfers run; pages of 4 to 64 KiB (targets: 0.9 of the limit from 32 blocks, 0.8 at "
+        "8, 0.85 at 256 blocks for every page size, caller blocked 0.3 ms or less at 256 blocks, "
+        "matmul slowdown 25 % or less).",
+        (),
+    ),
 )
+#: Benchmarks that measure a GPU: on a machine without CUDA their section says so.
+NEEDS_CUDA = frozenset({"bench_gpu_transfer"})
 
 
 def _machine() -> str:
@@ -102,6 +115,16 @@ def _machine() -> str:
     )
 
 
+_NOT_MEASURED = (
+    "**Not measured: the machine that wrote this file has no CUDA device.** No GPU figures "
+    "have been measured with this code yet. To produce them, run `make bench` (or the command "
+    "above alone) on a machine with an NVIDIA GPU and a CUDA build of torch (which ships "
+    "Triton); the section then holds the device name and the tables. The figures that "
+    "motivated the transfer engine (issue 10, an H100 over PCIe Gen5) are in "
+    "docs/architecture.md."
+)
+
+
 def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, float]]:
     """Each benchmark in a process of its own, exactly the command its section names: one
     benchmark's heap, threads and freed memory must not shape the next one's figures."""
@@ -111,6 +134,10 @@ def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, flo
             continue
         args = [*extra, *(["--quick"] if quick else [])]
         command = " ".join(["python", f"benchmarks/{module_name}.py", *args])
+        if module_name in NEEDS_CUDA and not torch.cuda.is_available():
+            print(f"== {command}: skipped, no CUDA device", file=sys.stderr, flush=True)
+            results.append((title, about, command, _NOT_MEASURED, 0.0))
+            continue
         print(f"== {command}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         done = subprocess.run(

@@ -367,7 +367,8 @@ BAD_INPUTS = [
     ),
     (
         "version: 1\nprimary: 4GiB\n",
-        r"tiering.yaml:2: primary: must be a mapping \(keys capacity, policy\), got str: '4GiB'",
+        r"tiering.yaml:2: primary: must be a mapping \(keys capacity, policy, copy_backend\), "
+        r"got str: '4GiB'",
     ),
     (
         "version: 1\nevents:\n  enabled: 'yes'\nprimary:\n  capacity: 1GiB\n",

@@ -9,7 +9,12 @@ from hypothesis import strategies as st
 
 from tiering.errors import ConfigurationError, LayoutError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import CanonicalKVCacheRef, KVLayout, register_kv_caches
+from tiering.layout import (
+    CanonicalKVCacheRef,
+    KVLayout,
+    register_cross_layer_kv_cache,
+    register_kv_caches,
+)
 
 NUM_BLOCKS = 6
 
@@ -340,3 +345,98 @@ def test_canonical_rows_are_the_engine_blocks_bytes(
         for block in range(num_blocks):
             used = canonical.tensor[block, : page_elems * size]
             assert torch.equal(used, as_bytes(half[block]))
+
+
+# -- cross-layer layouts: one tensor (num_blocks, ...) holding every layer --------------------
+
+
+def cross_layer_spec(layers: int, page: int, groups: int = 1) -> KVCacheSpec:
+    return KVCacheSpec(
+        tuple(
+            full_group((page,) * layers, tuple(f"g{g}.layer.{i}" for i in range(layers)))
+            for g in range(groups)
+        ),
+        16,
+    )
+
+
+def test_per_layer_views_of_a_cross_layer_tensor_register_as_one_run_per_block() -> None:
+    # The case: per-layer views big[:, i] failed with "... past its storage".
+    layers, page = 4, 2 * 16 * 2 * 8 * 2
+    big = random_tensor((NUM_BLOCKS, layers, 2, 16, 2, 8), torch.bfloat16)
+    spec = cross_layer_spec(layers, page)
+    views = {f"g0.layer.{i}": big[:, i] for i in range(layers)}
+    caches = register_kv_caches(views, spec, NUM_BLOCKS)
+
+    (canonical,) = caches.tensors
+    assert canonical.page_bytes == canonical.block_stride_bytes == layers * page
+    assert canonical.layer_names == tuple(views)
+    assert caches.group_refs == (
+        tuple(CanonicalKVCacheRef(0, page, i * page) for i in range(layers)),
+    )
+    assert caches.offloaded_block_bytes_per_rank() == layers * page
+    assert caches.bytes_per_gpu_block(0) == layers * page
+    for block in range(NUM_BLOCKS):
+        assert torch.equal(canonical.tensor[block], as_bytes(big[block]))
+
+
+def test_a_whole_cross_layer_tensor_registers_as_one_canonical_tensor() -> None:
+    layers, page = 3, 16 * 8 * 2
+    big = random_tensor((NUM_BLOCKS + 2, layers, 16, 8), torch.float16)  # over-allocated
+    caches = register_cross_layer_kv_cache(big, cross_layer_spec(layers, page), NUM_BLOCKS)
+    (canonical,) = caches.tensors
+    assert canonical.tensor.shape == (NUM_BLOCKS, layers * page)
+    assert canonical.layer_names == tuple(f"g0.layer.{i}" for i in range(layers))
+    assert caches.group_refs == ((CanonicalKVCacheRef(0, layers * page),),)
+    assert torch.equal(canonical.tensor[NUM_BLOCKS - 1], as_bytes(big[NUM_BLOCKS - 1]))
+
+
+def test_a_cross_layer_tensor_needs_one_group_room_and_blocks_outermost() -> None:
+    layers, page = 2, 16 * 8 * 2
+    big = random_tensor((NUM_BLOCKS, layers, 16, 8), torch.float16)
+    with pytest.raises(LayoutError, match=r"holds one KV-cache group, but the spec has 2"):
+        register_cross_layer_kv_cache(big, cross_layer_spec(layers, page, groups=2), NUM_BLOCKS)
+    with pytest.raises(LayoutError, match=r"declares 1536 page bytes over its 2 layers"):
+        register_cross_layer_kv_cache(big, cross_layer_spec(layers, page + 512), NUM_BLOCKS)
+    with pytest.raises(LayoutError, match=r"separate contiguous pages"):
+        register_cross_layer_kv_cache(big.transpose(0, 2), cross_layer_spec(1, page), NUM_BLOCKS)
+
+
+def test_kv_split_views_of_a_cross_layer_tensor_give_a_k_run_and_a_v_run() -> None:
+    layers, half = 3, 16 * 4 * 4
+    big = random_tensor((2, NUM_BLOCKS, layers, 16, 4), torch.float32)
+    views = {f"g0.layer.{i}": big[:, :, i] for i in range(layers)}
+    caches = register_kv_caches(views, cross_layer_spec(layers, 2 * half), NUM_BLOCKS)
+    k, v = caches.tensors
+    assert (k.part, v.part, k.page_bytes, v.page_bytes) == ("K", "V", layers * half, layers * half)
+    assert torch.equal(k.tensor[5], as_bytes(big[0, 5]))
+    assert torch.equal(v.tensor[5], as_bytes(big[1, 5]))
+    assert caches.group_refs[0][:2] == (CanonicalKVCacheRef(0, half), CanonicalKVCacheRef(1, half))
+    assert caches.group_refs[0][-1] == CanonicalKVCacheRef(1, half, 2 * half)
+
+
+def test_some_layers_of_a_cross_layer_tensor_cover_only_their_run() -> None:
+    # Layers 1 and 2 of 4 registered (e.g. one pipeline stage): whole strides from layer 1
+    # would run past the storage, so the page is the run the registered layers cover.
+    layers, page = 4, 16 * 8 * 2
+    big = random_tensor((NUM_BLOCKS, layers, 16, 8), torch.float16)
+    views = {"g0.layer.0": big[:, 1], "g0.layer.1": big[:, 2]}
+    caches = register_kv_caches(views, cross_layer_spec(2, page), NUM_BLOCKS)
+    (canonical,) = caches.tensors
+    assert canonical.page_bytes == 2 * page and canonical.block_stride_bytes == layers * page
+    assert torch.equal(canonical.tensor[3], as_bytes(big[3, 1:3]))
+    assert caches.offloaded_block_bytes_per_rank() == 2 * page
+
+
+def test_overlapping_layers_within_one_block_are_rejected() -> None:
+    buffer = random_tensor((NUM_BLOCKS, 1024), torch.uint8)
+    views = {"full.0": buffer[:, :600], "swa.0": buffer[:, 512:]}
+    with pytest.raises(LayoutError, match=r"layer 'swa\.0'.*overlap those of 'full\.0'"):
+        register_kv_caches(views, hybrid_spec(1), NUM_BLOCKS)
+    flat = buffer.view(-1)
+    spilling = {
+        "full.0": buffer[:, :512],
+        "swa.0": flat[700:].as_strided((NUM_BLOCKS - 1, 512), (1024, 1)),
+    }
+    with pytest.raises(LayoutError, match=r"layer 'swa\.0': its blocks of 512 bytes from byte 700"):
+        register_kv_caches(spilling, hybrid_spec(1), NUM_BLOCKS - 1)

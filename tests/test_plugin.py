@@ -210,6 +210,6 @@ def test_the_test_kits_are_exported() -> None:
 
     assert kits.BackendTests is backend_suite
     assert kits.PolicyTests is policy_suite
-    assert sorted(kits.__all__) == ["BackendTests", "PolicyTests"]
+    assert sorted(kits.__all__) == ["BackendTests", "CopyStrategyTests", "PolicyTests"]
     with pytest.raises(AttributeError, match="no attribute 'PolicyTest'"):
         kits.PolicyTest  # noqa: B018

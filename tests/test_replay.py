@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
+import os
+import struct
 import sys
+import termios
+import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from tiering.cli import main as cli_main
 from tiering.config import TieringConfig, parse_config
 from tiering.hashing import PrefixHasher
+from tiering.observability.kv_events import END_SEQ, BlockStored, EventBatch, decode_batch
 from tiering.replay import ReplayOptions, policy_study, run_replay
+from tiering.replay.progress import ProgressBar
+from tiering.replay.runner import ReplayStep, format_report
 from tiering.replay.traces import builtin_trace
 
 TIMING_KEYS = {"wall_s", "load_ms", "store_ms", "store_job_ms", "load_job_ms"}
@@ -175,3 +186,146 @@ def test_plot_without_matplotlib_fails_before_the_replay(
     assert status == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "nvme").exists()
+
+
+def test_report_columns_add_up_and_latencies_are_per_job(tmp_path: Path) -> None:
+    tiers: list[dict[str, Any]] = [
+        {"name": "nvme", "type": "file", "capacity": "3MiB", "path": "nvme"},
+        {"name": "lmdb", "type": "lmdb", "capacity": "2MiB", "path": "lmdb", "sync": False},
+    ]
+    cfg = config(tmp_path, "tiny-hybrid", "1MiB", tiers)
+    options = ReplayOptions(
+        trace="mixed", scale="tiny", seed=1, engine_blocks=1024, max_requests=120, progress=False
+    )
+    report = run_replay(cfg, options)
+    media = report["tiers"].values()
+    assert report["blocks_loaded"] > 0
+    served = sum(t["blocks_served"] for t in media) + report["blocks_loaded_new"]
+    assert served == report["blocks_loaded"]
+    prefix = sum(t["usable_prefix_tokens"] for t in media) + report["usable_prefix_tokens_new"]
+    assert prefix == report["prefill_tokens_saved"]
+    assert all(set(t["load_job_ms"]) == {"p50", "p90", "p99"} for t in media)
+    assert report["started_with_data"] == {}
+    text = format_report(report)
+    assert "legend:" in text and "note: tiers started" not in text
+    total = next(line for line in text.splitlines() if line.startswith("total"))
+    assert f"{report['blocks_loaded']:,}" in total
+    assert f"{report['prefill_tokens_saved']:,}" in total
+
+    held = {m: report["tiers"][m]["blocks_held"] for m in ("NVME", "LMDB")}
+    again = run_replay(cfg, options)  # the same tiers, not emptied
+    assert again["started_with_data"] == held
+    assert again["tiers"]["NVME"]["blocks_at_start"] == held["NVME"] > 0
+    assert (
+        f"note: tiers started with data from an earlier run (NVME {held['NVME']:,} blocks, "
+        f"LMDB {held['LMDB']:,} blocks)"
+    ) in format_report(again)
+
+
+def test_refused_stores_are_in_the_table(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "tiny", "16KiB", [])  # 4 blocks: smaller than most requests
+    options = ReplayOptions(trace="chat", scale="tiny", seed=0, max_requests=20, progress=False)
+    report = run_replay(cfg, options)
+    cpu = report["tiers"]["CPU"]
+    assert cpu["stores_refused"] > 0 and cpu["blocks_refused"] >= cpu["stores_refused"]
+    text = format_report(report)
+    row = next(line for line in text.splitlines() if line.startswith("CPU"))
+    assert row.split()[-1] == f"{cpu['blocks_refused']:,}"
+    assert (
+        f"CPU refused {cpu['stores_refused']:,} stores ({cpu['blocks_refused']:,} blocks)" in text
+    )
+
+
+def test_a_scrape_and_a_subscriber_see_a_replays_activity_per_tier(tmp_path: Path) -> None:
+    cfg = parse_config(
+        {
+            "version": 1,
+            "model": {"shape": "tiny"},
+            "primary": {"capacity": "256KiB"},
+            "secondary_tiers": [
+                {"name": "nvme", "type": "file", "capacity": "1MiB", "path": "nvme"},
+                {"name": "lmdb", "type": "lmdb", "capacity": "2MiB", "path": "lmdb"},
+            ],
+            "metrics": {"port": 0},
+            "events": {
+                "enabled": True,
+                "endpoint": "tcp://127.0.0.1:*",
+                "replay_endpoint": "tcp://127.0.0.1:*",
+            },
+        },
+        source=str(tmp_path / "tiering.yaml"),
+        base_dir=tmp_path,
+        env={},
+    )
+    scraped: dict[tuple[str, str], float] = {}
+    batches: list[EventBatch] = []
+
+    def at_the_end(step: ReplayStep) -> None:
+        if step.index != step.total - 1:
+            return
+        url = step.observability.metrics_url
+        assert url is not None
+        with urllib.request.urlopen(url) as response:
+            for family in text_string_to_metric_families(response.read().decode()):
+                for sample in family.samples:
+                    if "tier" in sample.labels and set(sample.labels) == {"tier", "medium"}:
+                        scraped[(sample.name, sample.labels["tier"])] = sample.value
+        publisher = step.observability.publisher
+        assert publisher is not None and publisher.replay_endpoint is not None
+        publisher.flush()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        seqs = []
+        while True:
+            assert dealer.poll(5000), "the replay never ended"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+            batches.append(decode_batch(payload))
+        dealer.close()
+        assert seqs == list(range(len(seqs)))
+
+    options = ReplayOptions(trace="agent", scale="tiny", max_requests=40, progress=False)
+    report = run_replay(cfg, options, on_request=at_the_end)
+    block = report["block_bytes"]
+    stored: dict[str | None, int] = {}
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                owner = event.ownership if event.medium == "STORAGE" else "CPU"
+                stored[owner] = stored.get(owner, 0) + len(event.block_hashes)
+    cpu = report["tiers"]["CPU"]
+    promoted = sum(report["tiers"][m]["promoted_blocks"] for m in ("NVME", "LMDB"))
+    # The CPU tier stores what the engine wrote and what the tiers promoted.
+    assert stored["CPU"] == cpu["bytes_stored"] // block + promoted > 0
+    assert scraped[("tiering_used_blocks", "primary")] == cpu["blocks_held"]
+    for name, medium in (("nvme", "NVME"), ("lmdb", "LMDB")):
+        tier = report["tiers"][medium]
+        assert stored[name] == tier["bytes_written"] // block > 0
+        assert scraped[("tiering_stored_blocks_total", name)] == stored[name]
+        assert scraped[("tiering_written_bytes_total", name)] == tier["bytes_written"]
+        assert scraped[("tiering_promoted_blocks_total", name)] == tier["promoted_blocks"]
+        assert scraped[("tiering_used_blocks", name)] == tier["blocks_held"]
+    assert report["tiers"]["NVME"]["promoted_blocks"] > 0
+    assert report["metrics_url"].startswith("http://127.0.0.1:")
+
+
+def test_progress_draws_on_a_terminal_only() -> None:
+    main_fd, terminal_fd = os.openpty()
+    # A terminal of 80 columns (a new pseudo-terminal has none).
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    with os.fdopen(terminal_fd, "w") as terminal:
+        with ProgressBar(3, "replay", stream=terminal) as bar:
+            for _ in range(3):
+                bar.update()
+    drawn = os.read(main_fd, 65536).decode()
+    os.close(main_fd)
+    assert "replay" in drawn and "3/3" in drawn
+    pipe = io.StringIO()
+    with ProgressBar(3, "replay", stream=pipe) as bar:
+        bar.update(3)
+    assert pipe.getvalue() == ""

@@ -59,6 +59,7 @@ from tiering.config import (
 )
 from tiering.errors import BackendError, ConfigError, TieringError
 from tiering.replay.progress import ProgressBar
+from tiering.transfer import machine_choice
 
 __all__ = ["build_parser", "format_bytes", "main"]
 
@@ -577,9 +578,19 @@ def _directory_checks(config: TieringConfig) -> list[Check]:
     return checks
 
 
+def _copy_backend_check(config: TieringConfig | None) -> Check:
+    """Which GPU <-> CPU copy strategy CUDA KV caches get here (tiering.transfer), and why."""
+    choice = machine_choice()
+    detail = f"{choice.name}: {choice.reason}"
+    if config is not None and config.primary.copy_backend != "auto":
+        detail = f"{config.primary.copy_backend} (primary.copy_backend); auto would pick {detail}"
+    fast = choice.name in ("triton", "memmove")
+    return Check("copy backend", OK if fast else WARN, detail)
+
+
 def run_doctor(config: TieringConfig | None) -> list[Check]:
     """Every check, in the order printed."""
-    checks = _python_checks() + _library_checks()
+    checks = _python_checks() + _library_checks() + [_copy_backend_check(config)]
     primary_bytes = None if config is None else int(config.primary.capacity_bytes)
     checks.append(_shm_check(primary_bytes))
     if config is None:

@@ -54,6 +54,7 @@ from tiering.backends.settings import (
 )
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.groups import KVCacheSpec
+from tiering.hf_model import cached_model_shape
 from tiering.identity import layout_identity
 from tiering.manager import CPUOffloadingManager
 from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
@@ -70,6 +71,7 @@ from tiering.registry import (
 )
 from tiering.tier import SecondaryTier, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
+from tiering.transfer import CopyBackend
 
 __all__ = [
     "BUILTIN_TRACES",
@@ -124,15 +126,49 @@ class ConfigWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the blocks are: gives the block size in bytes and the layout fingerprint."""
+    """What the blocks are: gives the block size in bytes and the layout fingerprint.
 
-    shape: str = field(metadata={"doc": "a model shape name (tiering.model_shapes)"})
+    Either ``shape`` (a built-in preset, one rank's geometry) or ``config_json`` (a model's
+    Hugging Face config.json, split over ``world_size`` ranks; see :mod:`tiering.hf_model`).
+    """
+
+    shape: str | None = field(
+        default=None, metadata={"doc": "a built-in model shape name (tiering.model_shapes)"}
+    )
+    config_json: Path | None = field(
+        default=None,
+        metadata={"doc": "a model's Hugging Face config.json (instead of shape)"},
+    )
+    name: str | None = field(
+        default=None,
+        metadata={"doc": "config_json: the model's name in the layout fingerprint"},
+    )
     world_size: int = field(
         default=1, metadata={"min": 1, "doc": "ranks (tensor-parallel workers) per block"}
     )
 
+    def __post_init__(self) -> None:
+        shapes = ", ".join(sorted(MODEL_SHAPES))
+        if self.shape is None and self.config_json is None:
+            raise SettingsProblem(
+                "shape",
+                f"missing; give shape (one of {shapes}) or config_json (a model's config.json)",
+            )
+        if self.shape is not None and self.config_json is not None:
+            raise SettingsProblem("config_json", "give either shape or config_json, not both")
+        if self.name is not None and self.config_json is None:
+            raise SettingsProblem("name", "only a config_json model takes a name")
+        if self.config_json is not None:
+            try:
+                self.model_shape()
+            except ConfigurationError as exc:
+                raise SettingsProblem("config_json", str(exc)) from None
+
     def model_shape(self) -> ModelShape:
-        return get_model_shape(self.shape)
+        if self.config_json is None:
+            assert self.shape is not None
+            return get_model_shape(self.shape)
+        return cached_model_shape(self.config_json, world_size=self.world_size, name=self.name)
 
 
 @dataclass(frozen=True)
@@ -152,6 +188,10 @@ class PrimaryConfig:
     capacity_bytes: int = field(metadata={"key": "capacity", "doc": "byte budget of the CPU pool"})
     policy: str = field(
         default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
+    )
+    copy_backend: CopyBackend = field(
+        default="auto",
+        metadata={"doc": "how workers copy KV blocks to and from the pool (tiering.transfer)"},
     )
 
 
@@ -220,11 +260,40 @@ class _TierKeys:
 @dataclass(frozen=True)
 class EventsConfig:
     enabled: bool = field(default=False, metadata={"doc": "record stored/removed block events"})
+    endpoint: str | None = field(
+        default=None,
+        metadata={"doc": "ZMQ endpoint to publish KV events on (tcp://*:5557 binds); null: none"},
+    )
+    replay_endpoint: str | None = field(
+        default=None, metadata={"doc": "ZMQ endpoint serving missed batches to late subscribers"}
+    )
+    topic: str = field(default="", metadata={"doc": "topic of the published batches"})
+    buffer_steps: int = field(
+        default=10_000, metadata={"min": 0, "doc": "batches kept for the replay endpoint"}
+    )
+    hash_format: Literal["int", "bytes"] = field(
+        default="int", metadata={"doc": "block hashes as vLLM's 64-bit int or the raw bytes"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise SettingsProblem("replay_endpoint", "needs an endpoint to publish on")
+        if self.endpoint is not None and not self.enabled:
+            raise SettingsProblem(
+                "endpoint", "publishing events needs them recorded: set enabled: true"
+            )
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = field(default=True, metadata={"doc": "collect per-tier counters"})
+    port: int | None = field(
+        default=None,
+        metadata={"min": 0, "max": 65535, "doc": "serve Prometheus metrics on this port (0: any)"},
+    )
+    address: str = field(
+        default="127.0.0.1", metadata={"doc": "address the metrics endpoint listens on"}
+    )
 
 
 @dataclass(frozen=True)
@@ -270,7 +339,8 @@ class TieringConfig:
         if self.model is None:
             raise ConfigError(
                 f"{self.source}: model: missing; give model.shape (one of "
-                f"{', '.join(sorted(MODEL_SHAPES))}) or pass block_bytes and fingerprint"
+                f"{', '.join(sorted(MODEL_SHAPES))}) or model.config_json, or pass block_bytes "
+                "and fingerprint"
             )
         return self.model
 

@@ -16,6 +16,12 @@ that holds more blocks than that is over-allocated and only its first ``num_bloc
 * Mamba states: a layer gives a list of state tensors that share one storage and whose first
   dimension is ``num_blocks``; their common block stride is the page, and the canonical tensor
   is rebuilt from the storage starting at the lowest state.
+* Cross-layer: one tensor ``(num_blocks, ...)`` holding every layer, so that block ``b`` of
+  every layer is one run of memory (vLLM's ``register_cross_layers_kv_cache``). Register it
+  whole with :func:`register_cross_layer_kv_cache`, or pass per-layer views of it (e.g.
+  ``big[:, i]``) to :func:`register_kv_caches`: views of one storage with one block stride that
+  start within one stride of each other become a single canonical tensor whose page is the
+  whole run, each layer a ref at its offset in the page. Either way a block copies as one run.
 
 Layout detection (``kv_layout="auto"``): a tensor with at least 3 dimensions, ``shape[0] == 2``
 and ``shape[1] >= num_blocks`` is read as ``kv_first``; anything else as ``blocks_first``. This
@@ -25,7 +31,7 @@ least ``num_blocks``; pass ``kv_layout="blocks_first"`` (for all layers or per l
 Several layers may share one tensor (same data pointer): it is registered once and every layer
 gets a reference to it. Layers declared as sharing (``shared_by``) must agree on data pointer,
 shape, stride, dtype and device; undeclared layers whose tensors start at the same address must
-too, and distinct canonical tensors must not overlap.
+too, and distinct canonical tensors (and the layers within one page) must not overlap.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ __all__ = [
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
     "KVLayout",
+    "register_cross_layer_kv_cache",
     "register_kv_caches",
 ]
 
@@ -57,9 +64,12 @@ LayerTensors = torch.Tensor | Sequence[torch.Tensor]
 class CanonicalKVCacheTensor:
     """A ``uint8`` view ``(num_blocks, page_bytes)`` of engine memory; row ``b`` is block ``b``.
 
-    ``page_bytes`` is the block stride in the engine's memory, padding included.
-    ``layer_names`` are the layers that registered it (the first stands for all) and ``part``
-    is ``"K"`` or ``"V"`` for the halves of a K/V split, ``""`` otherwise.
+    ``page_bytes`` is the block stride in the engine's memory, padding included (the bytes
+    really allocated per block), or the run the layers cover when whole strides do not fit in
+    the storage. Rows are ``block_stride_bytes`` apart: equal to ``page_bytes`` except where a
+    page is a slice of a longer per-block run. ``layer_names`` are the layers that registered
+    it (the first stands for all) and ``part`` is ``"K"`` or ``"V"`` for the halves of a K/V
+    split, ``""`` otherwise.
     """
 
     tensor: torch.Tensor
@@ -71,13 +81,26 @@ class CanonicalKVCacheTensor:
     def label(self) -> str:
         return f"{self.layer_names[0]}[{self.part}]" if self.part else self.layer_names[0]
 
+    @property
+    def block_stride_bytes(self) -> int:
+        """Bytes from block ``b`` to block ``b + 1`` in the engine's memory (``>= page_bytes``;
+        larger when the layers of a block are one run, each layer's tensor a slice of it)."""
+        return int(self.tensor.stride(0))
+
+    @property
+    def extent_bytes(self) -> int:
+        """Bytes from the first byte of block 0 to the last byte of the last block."""
+        return (self.tensor.shape[0] - 1) * self.block_stride_bytes + self.page_bytes
+
 
 @dataclass(frozen=True)
 class CanonicalKVCacheRef:
-    """A group's use of one canonical tensor: the first ``page_bytes`` (un-padded) of a page."""
+    """A group's use of one canonical tensor: ``page_bytes`` (un-padded) from byte
+    ``offset_bytes`` of each page (non-zero for the layers of a cross-layer layout)."""
 
     tensor_idx: int
     page_bytes: int
+    offset_bytes: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,31 +208,71 @@ def register_kv_caches(
     pages = _layer_pages(kv_caches, spec, layer_groups)
     share_leader = _share_leaders(kv_caches, shared_by)
     builder = _Builder(num_blocks)
+    layer_views = {
+        name: builder.register(name, tensors, share_leader.get(name), _layout_of(kv_layout, name))
+        for name, tensors in kv_caches.items()
+    }
+    tensors, placements = builder.build()
     layer_refs: dict[str, list[CanonicalKVCacheRef]] = {}
-    for name, tensors in kv_caches.items():
+    for name, views in layer_views.items():
         group_idx, page = pages[name]
-        indices = builder.register(
-            name, tensors, share_leader.get(name), _layout_of(kv_layout, name)
-        )
-        halves = len(indices)
+        halves = len(views)
         if page % halves:
             raise LayoutError(
                 f"layer {name!r}: its K/V split needs an even page size, but group {group_idx} "
                 f"declares {page} bytes"
             )
         refs = []
-        for idx in indices:
-            canonical = builder.tensors[idx]
-            if page // halves > canonical.page_bytes:
+        for view in views:
+            place = placements[view]
+            if page // halves > place.room:
                 raise LayoutError(
                     f"layer {name!r}: group {group_idx} declares {page} page bytes but the "
-                    f"tensor's block stride holds only {canonical.page_bytes * halves}"
+                    f"tensor's block stride holds only {place.room * halves}"
                 )
-            refs.append(CanonicalKVCacheRef(idx, page // halves))
+            refs.append(CanonicalKVCacheRef(place.tensor_idx, page // halves, place.offset))
         layer_refs[name] = refs
-    builder.check_no_overlap()
     group_refs = _group_refs(spec, pages, layer_refs)
-    return CanonicalKVCaches(tuple(builder.tensors), group_refs, num_blocks, spec)
+    return CanonicalKVCaches(tuple(tensors), group_refs, num_blocks, spec)
+
+
+def register_cross_layer_kv_cache(
+    kv_cache: torch.Tensor, spec: KVCacheSpec, num_blocks: int
+) -> CanonicalKVCaches:
+    """Register one tensor ``(num_blocks, ...)`` that holds every layer of a one-group spec.
+
+    This is vLLM's ``register_cross_layers_kv_cache``: block ``b`` of every layer is one run of
+    the tensor's memory, so one canonical tensor covers the model and a copy moves one run per
+    block. The group's un-padded page is the sum of its layers' ``page_size_bytes``. Raises
+    :class:`LayoutError` if the spec has several groups, the tensor holds fewer than
+    ``num_blocks`` blocks, its block dimension is not physically outermost, or its block stride
+    is smaller than the group's page.
+    """
+    _check_positive(num_blocks, "num_blocks")
+    if spec.num_groups != 1:
+        raise LayoutError(
+            f"a cross-layer KV cache holds one KV-cache group, but the spec has {spec.num_groups}; "
+            "register hybrid models layer by layer with register_kv_caches"
+        )
+    if not isinstance(kv_cache, torch.Tensor):
+        raise LayoutError(f"a cross-layer KV cache is one tensor, got {type(kv_cache).__name__}")
+    group = spec.groups[0]
+    name = group.layer_names[0] if group.layer_names else "cross_layer"
+    builder = _Builder(num_blocks)
+    builder.register(name, kv_cache, None, "blocks_first")
+    (canonical,), (place,) = builder.build()
+    if group.layer_names:
+        canonical = CanonicalKVCacheTensor(
+            canonical.tensor, canonical.page_bytes, group.layer_names
+        )
+    page = sum(group.page_size_bytes)
+    if page > place.room:
+        raise LayoutError(
+            f"cross-layer KV cache: group 0 declares {page} page bytes over its "
+            f"{len(group.page_size_bytes)} layers but the tensor's block stride holds only "
+            f"{place.room}"
+        )
+    return CanonicalKVCaches((canonical,), ((CanonicalKVCacheRef(0, page),),), num_blocks, spec)
 
 
 def _layer_pages(
@@ -282,29 +345,71 @@ def _group_refs(
     pages: Mapping[str, tuple[int, int]],
     layer_refs: Mapping[str, list[CanonicalKVCacheRef]],
 ) -> tuple[tuple[CanonicalKVCacheRef, ...], ...]:
-    """Per group, its layers' refs in layer order, each canonical tensor once (largest page)."""
-    by_group: list[dict[int, CanonicalKVCacheRef]] = [{} for _ in spec.groups]
+    """Per group, its layers' refs in layer order, each place in a canonical tensor once (the
+    largest page wins)."""
+    by_group: list[dict[tuple[int, int], CanonicalKVCacheRef]] = [{} for _ in spec.groups]
     for name, (g, _) in pages.items():
         for ref in layer_refs[name]:
-            known = by_group[g].get(ref.tensor_idx)
+            place = (ref.tensor_idx, ref.offset_bytes)
+            known = by_group[g].get(place)
             if known is None or known.page_bytes < ref.page_bytes:
-                by_group[g][ref.tensor_idx] = ref
+                by_group[g][place] = ref
     return tuple(tuple(refs.values()) for refs in by_group)
 
 
+@dataclass(frozen=True, eq=False)
+class _View:
+    """One layer's (or one K/V half's) blocks in an engine storage, before canonicalisation.
+
+    Block ``b`` of the view holds ``span`` bytes from byte ``offset + b * stride`` of the storage.
+    """
+
+    label: str
+    part: str
+    source: torch.Tensor  # any tensor on the storage (keeps it alive, gives its device)
+    offset: int
+    stride: int
+    span: int
+
+    @property
+    def storage_ptr(self) -> int:
+        return self.source.untyped_storage().data_ptr()
+
+    @property
+    def storage_bytes(self) -> int:
+        return self.source.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a view landed: a canonical tensor, its offset in the page, and its room there."""
+
+    tensor_idx: int
+    offset: int
+    room: int
+
+
 class _Builder:
-    """Accumulates canonical tensors, registering each shared engine tensor once."""
+    """Collects the views of every layer, then merges them into canonical tensors.
+
+    Views of one storage that share a block stride and start within one stride of each other
+    are the layers of a cross-layer layout (each block one run holding every layer): they become
+    one canonical tensor whose page is that run, and each layer a ref at its offset in it.
+    Every other view is a canonical tensor of its own. A layer that shares another layer's
+    tensor (declared with ``shared_by``, or at the same address) gets that layer's views.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.tensors: list[CanonicalKVCacheTensor] = []
+        self.views: list[_View] = []
         self._by_layer: dict[str, tuple[tuple[object, ...], list[int]]] = {}
         self._by_address: dict[int, str] = {}
+        self._sharers: dict[int, list[str]] = {}  # view index -> layers that share it
 
     def register(
         self, name: str, tensors: LayerTensors, leader: str | None, layout: str
     ) -> list[int]:
-        """Canonical tensor indices for a layer, creating them unless it shares a tensor."""
+        """View indices for a layer, creating them unless it shares another layer's tensor."""
         states = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if not states or not all(isinstance(t, torch.Tensor) for t in states):
             raise LayoutError(f"layer {name!r}: expected a tensor or a non-empty list of tensors")
@@ -326,36 +431,28 @@ class _Builder:
                     f"{_describe(states)} vs {_describe_sig(owner_sig)}"
                 )
             for idx in indices:
-                canonical = self.tensors[idx]
-                self.tensors[idx] = CanonicalKVCacheTensor(
-                    canonical.tensor,
-                    canonical.page_bytes,
-                    (*canonical.layer_names, name),
-                    canonical.part,
-                )
+                self._sharers[idx].append(name)
             self._by_layer[name] = (signature, indices)
             return indices
-        views = self._canonical_views(name, tensors, states, layout)
+        if self.views and states[0].device != self.views[0].source.device:
+            raise LayoutError(
+                f"layer {name!r} is on {states[0].device} but earlier layers are on "
+                f"{self.views[0].source.device}; register one device at a time"
+            )
+        if isinstance(tensors, torch.Tensor):
+            views = self._attention_views(name, tensors, layout)
+        else:
+            views = [self._state_view(name, states)]
         indices = []
-        for tensor, page, part in views:
-            indices.append(len(self.tensors))
-            self.tensors.append(CanonicalKVCacheTensor(tensor, page, (name,), part))
+        for view in views:
+            indices.append(len(self.views))
+            self._sharers[len(self.views)] = [name]
+            self.views.append(view)
         self._by_layer[name] = (signature, indices)
         self._by_address[states[0].data_ptr()] = name
         return indices
 
-    def _canonical_views(
-        self, name: str, tensors: LayerTensors, states: list[torch.Tensor], layout: str
-    ) -> list[tuple[torch.Tensor, int, str]]:
-        """Canonical views of a new layer: a tensor is attention, a list holds Mamba states."""
-        if self.tensors and states[0].device != self.tensors[0].tensor.device:
-            raise LayoutError(
-                f"layer {name!r} is on {states[0].device} but earlier layers are on "
-                f"{self.tensors[0].tensor.device}; register one device at a time"
-            )
-        if not isinstance(tensors, torch.Tensor):
-            return [self._state_view(name, states)]
-        tensor = tensors
+    def _attention_views(self, name: str, tensor: torch.Tensor, layout: str) -> list[_View]:
         if layout == "auto":
             is_split = tensor.dim() >= 3 and tensor.shape[0] == 2
             layout = (
@@ -367,20 +464,16 @@ class _Builder:
                 f"layer {name!r}: shape {tuple(tensor.shape)} ({layout}) has fewer than "
                 f"num_blocks={self.num_blocks} blocks in dimension {block_dim}"
             )
-        return self._attention_views(name, tensor, block_dim)
-
-    def _attention_views(
-        self, name: str, tensor: torch.Tensor, block_dim: int
-    ) -> list[tuple[torch.Tensor, int, str]]:
         size = tensor.element_size()
         offset = int(tensor.storage_offset()) * size
         block_stride = tensor.stride(block_dim) * size
         if tensor.shape[block_dim] == 1:  # torch keeps no meaningful stride for a size-1 dim
             inner = (0, 1) if block_dim == 1 and tensor.shape[0] == 2 else (block_dim,)
             block_stride = _span_bytes(tensor, exclude=inner)
-        if block_stride > 0 and _span_bytes(tensor, exclude=(block_dim,)) <= block_stride:
+        span = _span_bytes(tensor, exclude=(block_dim,))
+        if block_stride > 0 and span <= block_stride:
             # The block dimension is physically outermost: one page holds everything.
-            return [(self._byte_view(name, tensor, offset, block_stride), block_stride, "")]
+            return [_View(name, "", tensor, offset, block_stride, span)]
         if block_dim == 1 and tensor.shape[0] == 2 and tensor.stride(0) > 0:
             half_stride = tensor.stride(0) * size
             if self.num_blocks * block_stride > half_stride:
@@ -388,13 +481,10 @@ class _Builder:
                     f"layer {name!r}: shape {tuple(tensor.shape)} with strides {tensor.stride()}: "
                     f"the K part of {self.num_blocks} blocks overlaps the V part"
                 )
-            if 0 < _span_bytes(tensor, exclude=(0, 1)) <= block_stride:
+            half_span = _span_bytes(tensor, exclude=(0, 1))
+            if 0 < half_span <= block_stride:
                 return [
-                    (
-                        self._byte_view(name, tensor, offset + i * half_stride, block_stride),
-                        block_stride,
-                        part,
-                    )
+                    _View(name, part, tensor, offset + i * half_stride, block_stride, half_span)
                     for i, part in enumerate("KV")
                 ]
         raise LayoutError(
@@ -403,7 +493,7 @@ class _Builder:
             "(num_blocks, ...), or (2, num_blocks, ...) with K and V each a contiguous region"
         )
 
-    def _state_view(self, name: str, states: list[torch.Tensor]) -> tuple[torch.Tensor, int, str]:
+    def _state_view(self, name: str, states: list[torch.Tensor]) -> _View:
         if any(state.dim() == 0 for state in states):
             raise LayoutError(f"layer {name!r}: state tensors need a block dimension first")
         first = states[0]
@@ -425,36 +515,108 @@ class _Builder:
             raise LayoutError(f"layer {name!r}: state tensors have no positive block stride")
         starts = [int(s.storage_offset()) * s.element_size() for s in states]
         start = min(starts)
+        span = 0
         for i, (state, state_start) in enumerate(zip(states, starts, strict=True)):
-            if state_start - start + _span_bytes(state, exclude=(0,)) > block_stride:
+            end = state_start - start + _span_bytes(state, exclude=(0,))
+            if end > block_stride:
                 raise LayoutError(
                     f"layer {name!r}: state tensor {i} spills out of the {block_stride}-byte page "
                     "its block stride defines"
                 )
-        return self._byte_view(name, first, start, block_stride), block_stride, ""
+            span = max(span, end)
+        return _View(name, "", first, start, block_stride, span)
 
-    def _byte_view(self, name: str, tensor: torch.Tensor, offset: int, page: int) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        end = offset + self.num_blocks * page
-        if end > storage.nbytes():
-            raise LayoutError(
-                f"layer {name!r}: {self.num_blocks} pages of {page} bytes from byte {offset} end "
-                f"at {end}, past its storage of {storage.nbytes()} bytes"
-            )
-        base = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        return base.as_strided((self.num_blocks, page), (page, 1), offset)
+    def build(self) -> tuple[list[CanonicalKVCacheTensor], list[_Placement]]:
+        """Canonical tensors (in registration order of their first view) and each view's place."""
+        clusters = self._clusters()
+        clusters.sort(key=min)
+        tensors: list[CanonicalKVCacheTensor] = []
+        placements: dict[int, _Placement] = {}
+        for members in clusters:
+            members.sort(key=lambda i: self.views[i].offset)
+            tensor_idx = len(tensors)
+            canonical, rooms = self._canonical(members)
+            tensors.append(canonical)
+            start = self.views[members[0]].offset
+            for i, room in zip(members, rooms, strict=True):
+                placements[i] = _Placement(tensor_idx, self.views[i].offset - start, room)
+        _check_no_overlap(tensors)
+        return tensors, [placements[i] for i in range(len(self.views))]
 
-    def check_no_overlap(self) -> None:
-        spans = sorted(
-            (t.tensor.data_ptr(), t.tensor.data_ptr() + t.tensor.numel(), t.label)
-            for t in self.tensors
-        )
-        for (_, end, label), (start, _, next_label) in zip(spans, spans[1:], strict=False):
-            if start < end:
+    def _clusters(self) -> list[list[int]]:
+        """Views of one storage and stride whose blocks interleave (start within one stride)."""
+        by_storage: dict[tuple[int, int], list[int]] = {}
+        for i, view in enumerate(self.views):
+            by_storage.setdefault((view.storage_ptr, view.stride), []).append(i)
+        clusters: list[list[int]] = []
+        for members in by_storage.values():
+            members.sort(key=lambda i: self.views[i].offset)
+            current = [members[0]]
+            for i in members[1:]:
+                if self.views[i].offset - self.views[current[0]].offset < self.views[i].stride:
+                    current.append(i)
+                else:
+                    clusters.append(current)
+                    current = [i]
+            clusters.append(current)
+        return clusters
+
+    def _canonical(self, members: list[int]) -> tuple[CanonicalKVCacheTensor, list[int]]:
+        """The canonical tensor of one cluster of views (sorted by offset), and each one's room.
+
+        Its page is the block stride (padding included: the bytes really allocated per block)
+        when ``num_blocks`` whole strides fit in the storage, else the run the views cover.
+        """
+        views = [self.views[i] for i in members]
+        first = views[0]
+        start, stride = first.offset, first.stride
+        for before, after in zip(views, views[1:], strict=False):
+            if after.offset < before.offset + before.span:
                 raise LayoutError(
-                    f"layer {next_label!r}: its KV-cache blocks overlap those of {label!r}; "
-                    "declare layers that share a tensor with shared_by"
+                    f"layer {after.label!r}: its KV-cache blocks overlap those of "
+                    f"{before.label!r}; declare layers that share a tensor with shared_by"
                 )
+        last = views[-1]
+        covered = last.offset - start + last.span
+        if covered > stride:
+            raise LayoutError(
+                f"layer {last.label!r}: its blocks of {last.span} bytes from byte "
+                f"{last.offset - start} of a {stride}-byte block stride run into the next "
+                f"block of layer {first.label!r}"
+            )
+        fits = start + self.num_blocks * stride <= first.storage_bytes
+        page = stride if fits else covered
+        end = start + (self.num_blocks - 1) * stride + page
+        if end > first.storage_bytes:
+            raise LayoutError(
+                f"layer {first.label!r}: {self.num_blocks} pages of {page} bytes from byte "
+                f"{start} end at {end}, past its storage of {first.storage_bytes} bytes"
+            )
+        storage = first.source.untyped_storage()
+        base = torch.empty(0, dtype=torch.uint8, device=first.source.device).set_(storage)
+        tensor = base.as_strided((self.num_blocks, page), (stride, 1), start)
+        names: list[str] = []
+        for i in members:
+            names += [n for n in self._sharers[i] if n not in names]
+        parts = {view.part for view in views}
+        part = parts.pop() if len(parts) == 1 else ""
+        rooms = [
+            after.offset - before.offset for before, after in zip(views, views[1:], strict=False)
+        ]
+        rooms.append(start + page - last.offset)
+        return CanonicalKVCacheTensor(tensor, page, tuple(names), part), rooms
+
+
+def _check_no_overlap(tensors: Sequence[CanonicalKVCacheTensor]) -> None:
+    spans = sorted(
+        (t.tensor.data_ptr(), t.tensor.data_ptr() + t.extent_bytes, t.label) for t in tensors
+    )
+    for (_, end, label), (start, _, next_label) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise LayoutError(
+                f"layer {next_label!r}: its KV-cache blocks overlap those of {label!r}; "
+                "declare layers that share a tensor with shared_by"
+            )
 
 
 def _span_bytes(tensor: torch.Tensor, exclude: tuple[int, ...]) -> int:

@@ -1,10 +1,14 @@
 """KV-cache shapes of real models, for the replay tool and the benchmarks.
 
 A shape names the model's KV-cache groups and builds KV tensors laid out as an engine would
-allocate them: one ``(num_blocks, 2, block_size, num_kv_heads, head_dim)`` tensor per layer
-position; in a hybrid model, the layers at one position of each group share that tensor (vLLM's
-hybrid allocator gives every group the same page size, so one block id names the same bytes in
-each group's tensors).
+allocate them: one ``(num_blocks, kv_parts, block_size, num_kv_heads, head_dim)`` tensor per
+layer position (``kv_parts`` is 2, K and V, or 1 for a latent cache such as DeepSeek's MLA); in a
+hybrid model, the layers at one position of each group share that tensor (vLLM's hybrid
+allocator gives every group the same page size, so one block id names the same bytes in each
+group's tensors; a Mamba layer's state is padded to that page).
+
+A shape describes one rank. The built-in shapes (:data:`MODEL_SHAPES`) are named presets;
+:mod:`tiering.hf_model` builds the shape of a real model from its Hugging Face ``config.json``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class ModelShape:
     head_dim: int
     dtype: str = "bfloat16"
     block_size: int = 16
+    kv_parts: int = 2  # 2: K and V; 1: one latent vector per token (MLA)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -53,7 +58,17 @@ class ModelShape:
     def page_bytes(self) -> int:
         """Bytes one layer spends on one block (K and V)."""
         element_bytes = torch.empty(0, dtype=self.torch_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * element_bytes
+        return self.kv_parts * self.block_size * self.num_kv_heads * self.head_dim * element_bytes
+
+    def group_names(self) -> list[str]:
+        """A name per group: its kind, numbered from the second group of a kind on."""
+        seen: dict[GroupKind, int] = {}
+        names = []
+        for g in self.groups:
+            n = seen.get(g.kind, 0)
+            seen[g.kind] = n + 1
+            names.append(g.kind.value if n == 0 else f"{g.kind.value}{n}")
+        return names
 
     def kv_cache_spec(self, hash_block_size: int, block_size_factor: int = 1) -> KVCacheSpec:
         groups = tuple(
@@ -62,30 +77,32 @@ class ModelShape:
                 self.block_size,
                 (self.page_bytes,) * g.num_layers,
                 sliding_window=g.sliding_window,
-                name=f"{g.kind.value}",
-                layer_names=tuple(f"{g.kind.value}.{i}" for i in range(g.num_layers)),
+                name=name,
+                layer_names=tuple(f"{name}.{i}" for i in range(g.num_layers)),
             )
-            for g in self.groups
+            for g, name in zip(self.groups, self.group_names(), strict=True)
         )
         return KVCacheSpec(groups, hash_block_size, block_size_factor)
 
     def allocate(
-        self, num_blocks: int, spec: KVCacheSpec
+        self, num_blocks: int, spec: KVCacheSpec, device: torch.device | str = "cpu"
     ) -> tuple[dict[str, torch.Tensor], CanonicalKVCaches]:
-        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks and register them."""
+        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks on ``device`` and register
+        them."""
         positions = self.layers_per_position
         tensors = [
             torch.zeros(
-                (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
+                (num_blocks, self.kv_parts, self.block_size, self.num_kv_heads, self.head_dim),
                 dtype=self.torch_dtype,
+                device=device,
             )
             for _ in range(positions)
         ]
         kv_caches: dict[str, torch.Tensor] = {}
         shared: list[list[str]] = [[] for _ in range(positions)]
-        for g in self.groups:
+        for g, group_name in zip(self.groups, self.group_names(), strict=True):
             for i in range(g.num_layers):
-                name = f"{g.kind.value}.{i}"
+                name = f"{group_name}.{i}"
                 kv_caches[name] = tensors[i]
                 shared[i].append(name)
         caches = register_kv_caches(

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,15 +41,23 @@ from tiering.config import (
 )
 from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
-from tiering.model_shapes import get_model_shape
+from tiering.observability.service import Observability
 from tiering.policies import get_policy_class
-from tiering.pool import KVBlockCopier
 from tiering.replay.belady import simulate
 from tiering.replay.progress import ProgressBar
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine
 from tiering.replay.traces import Request, builtin_trace, read_jsonl
+from tiering.transfer import TransferEngine
 
-__all__ = ["ReplayOptions", "configure_parser", "load_trace", "policy_study", "run_replay"]
+__all__ = [
+    "ReplayOptions",
+    "ReplayStep",
+    "configure_parser",
+    "format_report",
+    "load_trace",
+    "policy_study",
+    "run_replay",
+]
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,17 @@ class ReplayOptions:
     verify: bool = True
     overlap: bool = False
     progress: bool = True
+    device: str = "cpu"  # where the simulated engine's KV caches live: "cpu" or "cuda[:N]"
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """What :func:`run_replay`'s ``on_request`` callback gets after each request."""
+
+    index: int  # from 0
+    total: int
+    result: RequestResult
+    observability: Observability  # the metrics endpoint and event publisher, when configured
 
 
 def load_trace(trace: str, scale: str, seed: int, base_dir: Path | None = None) -> list[Request]:
@@ -101,19 +120,31 @@ def _startup_heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
-    """Replay the trace through a manager built from ``config``; return the report."""
+def run_replay(
+    config: TieringConfig,
+    options: ReplayOptions,
+    *,
+    on_request: Callable[[ReplayStep], None] | None = None,
+) -> dict[str, Any]:
+    """Replay the trace through a manager built from ``config``; return the report.
+
+    The config's ``metrics.port`` and ``events.endpoint`` serve the replay's metrics and publish
+    its KV events while it runs. ``on_request`` is called after each request.
+    """
     torch.set_num_threads(1)
     if config.model is None:
-        raise ConfigError(f"{config.source}: model: a replay needs a model shape (model.shape)")
-    shape = get_model_shape(config.model.shape)
+        raise ConfigError(
+            f"{config.source}: model: a replay needs a model (model.shape or model.config_json)"
+        )
+    shape = config.model_shape()
     spec = shape.kv_cache_spec(config.hashing.hash_block_size, config.block_size_factor)
     base_dir = Path(config.source).parent if config.source else None
     requests = load_trace(options.trace, options.scale, options.seed, base_dir)
     if options.max_requests is not None:
         requests = requests[: options.max_requests]
 
-    kv_tensors, caches = shape.allocate(options.engine_blocks, spec)
+    device = _kv_device(options.device)
+    kv_tensors, caches = shape.allocate(options.engine_blocks, spec, device)
     # The bytes come from the tensors really allocated; they must agree with what the tiers
     # were configured (and fingerprinted) for.
     world_size = config.model.world_size
@@ -130,35 +161,93 @@ def run_replay(config: TieringConfig, options: ReplayOptions) -> dict[str, Any]:
     manager = build_manager(config, block_bytes=block_bytes, fingerprint=fingerprint, pool=pool)
     results: list[RequestResult] = []
     started = time.perf_counter()
+    transfers: TransferEngine | None = None
     try:
         manager.wait_ready()
+        transfers = TransferEngine(caches, pool, copy_backend=config.primary.copy_backend)
+        # What the tiers recovered from an earlier run: the numbers depend on it.
+        at_start = {tier.medium: len(tier) for tier in manager.tiers}
         engine = SimulatedEngine(
             manager,
             spec,
             caches,
-            KVBlockCopier(caches, pool),
+            transfers,
             PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm),
             verify=options.verify,
         )
         with (
+            Observability(config, manager) as observed,
             _startup_heap_frozen(),
             ProgressBar(len(requests), "replay", enabled=options.progress) as bar,
         ):
-            for request in requests:
+            for index, request in enumerate(requests):
                 results.append(engine.run(request))
                 if not options.overlap:
                     manager.wait_idle()
+                observed.step()
+                if on_request is not None:
+                    on_request(ReplayStep(index, len(requests), results[-1], observed))
                 bar.update()
-        manager.wait_idle()
+            manager.wait_idle()
+            observed.step()
+            publisher = observed.publisher
+            observed_report = {
+                "metrics_url": observed.metrics_url,
+                "kv_events_endpoint": publisher.endpoint if publisher else None,
+            }
         wall_s = time.perf_counter() - started
         report = _report(config, options, shape.name, block_bytes, cpu_blocks, manager, results)
+        for tier in manager.tiers:
+            report["tiers"][tier.medium]["blocks_at_start"] = at_start[tier.medium]
+        report["started_with_data"] = {m: n for m, n in at_start.items() if n}
+        report.update(observed_report)
         report["wall_s"] = round(wall_s, 3)
         report["verify_failures"] = engine.verify_failures
+        report["device"] = str(device)
+        report["copy_strategy"] = transfers.strategy.name
         return report
     finally:
+        if transfers is not None:
+            transfers.close()
         manager.shutdown()
         pool.close()
         del kv_tensors
+
+
+def _kv_device(name: str) -> torch.device:
+    """The device for the simulated engine's KV caches; a clear error if it does not exist."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"--device {name!r}: the replay puts KV caches on cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {name!r} needs CUDA, but torch {torch.__version__} sees no CUDA device"
+        )
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cuda", index)
+
+
+def _split_exactly(total: int, weights: Sequence[int]) -> list[int]:
+    """``total`` split in proportion to ``weights``, in integers that add up to ``total``
+    (largest remainders first)."""
+    weight_sum = sum(weights)
+    if not weight_sum:
+        return [0] * len(weights)
+    exact = [total * w / weight_sum for w in weights]
+    parts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: parts[i] - exact[i])
+    for i in by_remainder[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
 
 
 def _report(
@@ -176,24 +265,32 @@ def _report(
     loaded = sum(r.blocks_loaded for r in results)
     metrics = manager.metrics()
     media = ["CPU", *[t.medium for t in manager.tiers]]
+    served = [sum(r.blocks_loaded_from.get(m, 0) for r in results) for m in media]
+    # Blocks written by another request while this one waited: loaded, but from no tier.
+    served_new = loaded - sum(served)
+    prefix_tokens = _split_exactly(hit_tokens, [*served, served_new])
     tiers: dict[str, Any] = {}
-    for medium in media:
+    for i, medium in enumerate(media):
         found = sum(r.blocks_found.get(medium, 0) for r in results)
-        served = sum(r.blocks_loaded_from.get(medium, 0) for r in results)
         tiers[medium] = {
             "blocks_found": found,
             "block_hit_ratio": round(found / looked_up, 4) if looked_up else 0.0,
-            "blocks_served": served,
-            "usable_prefix_tokens": round(hit_tokens * served / loaded) if loaded else 0,
+            "blocks_served": served[i],
+            "served_share": round(served[i] / loaded, 4) if loaded else 0.0,
+            "usable_prefix_tokens": prefix_tokens[i],
         }
     tiers["CPU"].update(
         {
             "capacity_blocks": cpu_blocks,
+            "blocks_held": metrics["primary"]["blocks"],
             "bytes_loaded": sum(r.bytes_loaded for r in results),
             "bytes_stored": sum(r.bytes_stored for r in results),
             "load_ms": _percentiles_ms([r.load_s for r in results if r.blocks_loaded]),
             "store_ms": _percentiles_ms([r.store_s for r in results if r.blocks_stored]),
+            "load_job_ms": _percentiles_ms([r.load_copy_s for r in results if r.blocks_loaded]),
+            "store_job_ms": _percentiles_ms([r.store_copy_s for r in results if r.blocks_stored]),
             "stores_refused": sum(r.store_refused for r in results),
+            "blocks_refused": sum(r.blocks_refused for r in results),
         }
     )
     for tier in manager.tiers:
@@ -228,6 +325,9 @@ def _report(
         "prefill_tokens_saved": hit_tokens,
         "prefill_saved_ratio": round(hit_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
         "blocks_looked_up": looked_up,
+        "blocks_loaded": loaded,
+        "blocks_loaded_new": served_new,
+        "usable_prefix_tokens_new": prefix_tokens[-1],
         "block_hit_ratio": round(sum(t["blocks_found"] for t in tiers.values()) / looked_up, 4)
         if looked_up
         else 0.0,
@@ -244,25 +344,31 @@ def policy_study(
     key_lists: Sequence[Sequence[bytes]],
     capacities: Sequence[int],
     policies: Sequence[str],
+    *,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """Block and usable-prefix hit ratios of each policy and of Belady's bound, per capacity.
 
     A metadata-only simulation on the requests' hash-block keys (one group, one tier): each
-    request reads its blocks in prefix order, and every miss is inserted.
+    request reads its blocks in prefix order, and every miss is inserted. ``progress`` draws a
+    bar on a terminal, one step per (capacity, policy) simulation.
     """
     rows = []
-    for capacity in capacities:
-        for name in [*policies, "belady"]:
-            policy: Any = name if name == "belady" else get_policy_class(name)
-            stats = simulate(policy, key_lists, capacity)
-            rows.append(
-                {
-                    "policy": name,
-                    "capacity_blocks": capacity,
-                    "block_hit_ratio": round(stats.block_hit_ratio, 4),
-                    "prefix_hit_ratio": round(stats.prefix_hit_ratio, 4),
-                }
-            )
+    names = [*policies, "belady"]
+    with ProgressBar(len(capacities) * len(names), "policy study", enabled=progress) as bar:
+        for capacity in capacities:
+            for name in names:
+                policy: Any = name if name == "belady" else get_policy_class(name)
+                stats = simulate(policy, key_lists, capacity)
+                rows.append(
+                    {
+                        "policy": name,
+                        "capacity_blocks": capacity,
+                        "block_hit_ratio": round(stats.block_hit_ratio, 4),
+                        "prefix_hit_ratio": round(stats.prefix_hit_ratio, 4),
+                    }
+                )
+                bar.update()
     return rows
 
 
@@ -303,7 +409,26 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def format_report(report: dict[str, Any]) -> str:
+LEGEND = """\
+legend:
+  held        blocks the tier holds at the end
+  served      blocks loaded into the engine, by the tier that held them when their request was
+              looked up; each block counted once, so the rows add up to the total
+  prefix tok  prompt tokens not recomputed, split over the tiers by served blocks
+  written     bytes stored in the tier; read: bytes loaded from it
+  GB/s        bytes over the time spent in jobs
+  load, store latency of one job, p50/p99 in ms: for CPU one copy between the engine and the
+              CPU pool (per request), for the other tiers one read or write of a batch of blocks
+  evicted     blocks evicted from the tier
+  not stored  blocks the tier did not store; the notes say why"""
+
+
+def _ms_pair(percentiles: dict[str, float]) -> str:
+    return f"{percentiles['p50']:.2f}/{percentiles['p99']:.2f}"
+
+
+def format_report(report: dict[str, Any], *, legend: bool = True) -> str:
+    """The report as a table, with notes on what was not stored and on reproducibility."""
     lines = [
         f"tiering replay: {report['requests']} requests of trace {report['trace']!r} "
         f"({report['scale']}, seed {report['seed']}), model {report['model']}, "
@@ -311,33 +436,77 @@ def format_report(report: dict[str, Any]) -> str:
         f"prefill tokens saved: {report['prefill_tokens_saved']:,} of "
         f"{report['prompt_tokens']:,} ({report['prefill_saved_ratio']:.1%}); "
         f"blocks found in any tier: {report['block_hit_ratio']:.1%}",
-        "",
     ]
+    started = report.get("started_with_data") or {}
+    if started:
+        held = ", ".join(f"{m} {n:,} blocks" for m, n in started.items())
+        lines.append(
+            f"note: tiers started with data from an earlier run ({held}); the numbers depend "
+            "on it: run with --fresh for numbers that a seed reproduces"
+        )
+    lines.append("")
     header = (
-        f"{'tier':<6} {'cap blk':>8} {'hit blk':>8} {'served':>8} {'prefix tok':>11} "
-        f"{'written':>10} {'read':>10} {'wr GB/s':>8} {'rd GB/s':>8} "
-        f"{'load p50/p99 ms':>16} {'evict':>7} {'fail':>5} {'shed':>5}"
+        f"{'tier':<6} {'capacity':>9} {'held':>8} {'served':>8} {'share':>6} "
+        f"{'prefix tok':>11} {'written':>10} {'read':>10} {'wr GB/s':>7} {'rd GB/s':>7} "
+        f"{'load ms':>11} {'store ms':>11} {'evicted':>8} {'not stored':>10}"
     )
-    lines += [header, "-" * len(header)]
+    rule = "-" * len(header)
+    lines += [header, rule]
+    notes: list[str] = []
     for medium, t in report["tiers"].items():
         if medium == "CPU":
             written, read = t["bytes_stored"], t["bytes_loaded"]
-            wr = rd = "-"
-            load = f"{t['load_ms']['p50']:.2f}/{t['load_ms']['p99']:.2f}"
-            evict = fail = shed = "-"
+            wr = rd = evicted = "-"
+            not_stored = t["blocks_refused"]
+            if t["stores_refused"]:
+                notes.append(
+                    f"CPU refused {t['stores_refused']:,} stores ({t['blocks_refused']:,} "
+                    "blocks): no room could be evicted (every block pinned by a load or being "
+                    "written), or a request needed more blocks than the tier holds"
+                )
         else:
             written, read = t["bytes_written"], t["bytes_read"]
             wr, rd = f"{t['write_gbps']:.2f}", f"{t['read_gbps']:.2f}"
-            load = f"{t['load_job_ms']['p50']:.2f}/{t['load_job_ms']['p99']:.2f}"
-            evict = str(t["evictions"])
-            fail = str(t["store_failures"] + t["promotion_failures"])
-            shed = str(t["stores_shed"])
+            evicted = f"{t['evictions']:,}"
+            not_stored = t["stores_shed"] + t["store_failures"]
+            reasons = []
+            if t["stores_shed"]:
+                reasons.append(
+                    f"{t['stores_shed']:,} blocks shed (max_inflight_jobs jobs already in "
+                    "flight, or no room could be evicted)"
+                )
+            if t["store_failures"]:
+                reasons.append(f"{t['store_failures']:,} blocks failed to write")
+            if t["promotion_failures"]:
+                reasons.append(
+                    f"{t['promotion_failures']:,} promotions failed "
+                    f"({t['corrupt_blocks']:,} corrupt blocks)"
+                )
+            if reasons:
+                notes.append(f"{medium}: " + "; ".join(reasons))
         lines.append(
-            f"{medium:<6} {t['capacity_blocks']:>8} {t['block_hit_ratio']:>8.1%} "
-            f"{t['blocks_served']:>8} {t['usable_prefix_tokens']:>11,} "
-            f"{_human_bytes(written):>10} {_human_bytes(read):>10} {wr:>8} {rd:>8} "
-            f"{load:>16} {evict:>7} {fail:>5} {shed:>5}"
+            f"{medium:<6} {t['capacity_blocks']:>9,} {t['blocks_held']:>8,} "
+            f"{t['blocks_served']:>8,} {t['served_share']:>6.1%} "
+            f"{t['usable_prefix_tokens']:>11,} {_human_bytes(written):>10} "
+            f"{_human_bytes(read):>10} {wr:>7} {rd:>7} {_ms_pair(t['load_job_ms']):>11} "
+            f"{_ms_pair(t['store_job_ms']):>11} {evicted:>8} {not_stored:>10,}"
         )
+    if report.get("blocks_loaded_new"):
+        new = report["blocks_loaded_new"]
+        lines.append(
+            f"{'new':<6} {'':>9} {'':>8} {new:>8,} {new / report['blocks_loaded']:>6.1%} "
+            f"{report['usable_prefix_tokens_new']:>11,}"
+        )
+        notes.append("new: blocks another request stored while this one waited for a promotion")
+    lines.append(rule)
+    lines.append(
+        f"{'total':<6} {'':>9} {'':>8} {report['blocks_loaded']:>8,} "
+        f"{1.0 if report['blocks_loaded'] else 0.0:>6.1%} {report['prefill_tokens_saved']:>11,}"
+    )
+    if notes:
+        lines += ["", "notes:", *(f"  {note}" for note in notes)]
+    if legend:
+        lines += ["", LEGEND]
     return "\n".join(lines)
 
 
@@ -369,6 +538,12 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, help="trace seed")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--engine-blocks", type=int, help="engine KV-cache blocks to allocate")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the simulated engine's KV caches live: cpu (default) or cuda[:N]; with "
+        "cuda the whole GPU <-> CPU data path runs (copy strategy: primary.copy_backend)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip checking loaded bytes")
     parser.add_argument(
         "--overlap", action="store_true", help="let tier I/O run behind later requests"
@@ -420,6 +595,7 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         verify=options.verify and not args.no_verify,
         overlap=args.overlap,
         progress=not args.no_progress and not args.json,
+        device=args.device,
     )
 
 
@@ -513,7 +689,7 @@ def _main(args: argparse.Namespace) -> int:
         fractions = study_options.fractions
         capacities = sorted({max(1, math.ceil(unique * f)) for f in fractions})
         policies = study_options.policies
-        study = policy_study(key_lists, capacities, policies)
+        study = policy_study(key_lists, capacities, policies, progress=options.progress)
         report["policy_study"] = study
         if args.plot:
             _plot(study, args.plot)

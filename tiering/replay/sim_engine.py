@@ -21,10 +21,10 @@ from tiering.errors import TieringError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.layout import CanonicalKVCaches
-from tiering.pool import KVBlockCopier, PoolTransfer
 from tiering.replay.traces import Request
 from tiering.store_plan import NULL_BLOCK_ID, plan_store
 from tiering.tiering_manager import TieringOffloadingManager
+from tiering.transfer import PoolTransfer, TransferEngine, TransferHandle
 
 __all__ = ["RequestResult", "SimulatedEngine"]
 
@@ -45,9 +45,12 @@ class RequestResult:
     blocks_stored: int
     bytes_stored: int
     lookup_retries: int
-    load_s: float
+    load_s: float  # the request's whole load: lookups, waits for promotions, the copy
     store_s: float
     store_refused: bool
+    load_copy_s: float = 0.0  # the copy job alone: CPU pool to engine blocks
+    store_copy_s: float = 0.0  # the copy job alone: engine blocks to CPU pool
+    blocks_refused: int = 0  # blocks the CPU tier refused to store (prepare_store gave None)
 
 
 def _window_engine_blocks(group: KVCacheGroup) -> int | None:
@@ -62,8 +65,10 @@ def _window_engine_blocks(group: KVCacheGroup) -> int | None:
 class SimulatedEngine:
     """Runs requests against a manager, with ``num_engine_blocks`` blocks of engine KV cache.
 
-    ``caches`` are the engine's registered KV tensors (see ``ModelShape.allocate``); ``pool`` the
-    manager's CPU pool. Block id 0 is the null block, never allocated.
+    ``caches`` are the engine's registered KV tensors (see ``ModelShape.allocate``), on CPU or
+    CUDA; ``transfers`` moves their blocks to and from the manager's CPU pool. Each copy is
+    waited for before the manager hears of it (``complete_load`` / ``complete_store``), so
+    results do not depend on timing. Block id 0 is the null block, never allocated.
     """
 
     def __init__(
@@ -71,7 +76,7 @@ class SimulatedEngine:
         manager: TieringOffloadingManager,
         spec: KVCacheSpec,
         caches: CanonicalKVCaches,
-        copier: KVBlockCopier,
+        transfers: TransferEngine,
         hasher: PrefixHasher,
         *,
         max_lookup_retries: int = 8,
@@ -80,7 +85,7 @@ class SimulatedEngine:
         self.manager = manager
         self.spec = spec
         self.caches = caches
-        self.copier = copier
+        self.transfers = transfers
         self.hasher = hasher
         self.max_lookup_retries = max_lookup_retries
         self.verify = verify
@@ -187,6 +192,7 @@ class SimulatedEngine:
         tables = self._block_tables(num_tokens, [b * factor for b in load_first])
 
         blocks_loaded = bytes_loaded = 0
+        load_copy_s = store_copy_s = 0.0
         if hit_tokens:
             load_keys = [
                 k for g in range(len(keys)) for k in keys[g][load_first[g] : hit_blocks[g]]
@@ -202,10 +208,13 @@ class SimulatedEngine:
                 ids = tables[g][load_first[g] * factor : hit_blocks[g] * factor]
                 engine_ids.extend(ids)
                 sizes.append(len(ids))
-            result = self.copier.load(PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots))
+            load = PoolTransfer(np.asarray(engine_ids), tuple(sizes), slots)
+            copy_started = time.perf_counter()
+            handle = self._finish(self.transfers.submit_load(load))
+            load_copy_s = time.perf_counter() - copy_started
             self.manager.complete_load(load_keys, request.request_id)
             blocks_loaded = len(load_keys)
-            bytes_loaded = result.bytes_copied
+            bytes_loaded = handle.bytes
             if self.verify:
                 self._verify_loaded(keys, tables, load_first, hit_blocks)
         load_s = time.perf_counter() - start
@@ -232,10 +241,12 @@ class SimulatedEngine:
                 out.store_spec.block_ids,
                 factor,
             )
-            result = self.copier.store(transfer)
+            copy_started = time.perf_counter()
+            handle = self._finish(self.transfers.submit_store(transfer))
+            store_copy_s = time.perf_counter() - copy_started
             self.manager.complete_store(out.keys_to_store, True, request.request_id)
             blocks_stored = len(out.keys_to_store)
-            bytes_stored = result.bytes_copied
+            bytes_stored = handle.bytes
         store_s = time.perf_counter() - start
         self._release(tables)
         return RequestResult(
@@ -253,7 +264,19 @@ class SimulatedEngine:
             load_s=load_s,
             store_s=store_s,
             store_refused=out is None,
+            load_copy_s=load_copy_s,
+            store_copy_s=store_copy_s,
+            blocks_refused=len(candidates.keys) if out is None else 0,
         )
+
+    def _finish(self, handle: TransferHandle) -> TransferHandle:
+        """Wait for a copy; a failed copy stops the replay (its blocks are not what they claim)."""
+        self.transfers.wait(handle)
+        if handle.error is not None:
+            raise TieringError(
+                f"{handle.direction} job {handle.job_id} failed: {handle.error}"
+            ) from handle.error
+        return handle
 
     def _verify_loaded(
         self,

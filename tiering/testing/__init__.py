@@ -4,6 +4,8 @@
 module and implement ``make_backend`` (see :mod:`tiering.testing.backend_tests`).
 ``PolicyTests`` is the conformance suite for eviction policies: subclass it and override the
 ``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`).
+``CopyStrategyTests`` is the conformance suite for GPU <-> CPU copy strategies: subclass it and
+name the strategy and device (see :mod:`tiering.testing.copy_strategy_tests`).
 
 The suites are imported on first use, so ``import tiering.testing`` works without pytest and
 nothing in the library proper pulls pytest in.
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tiering.testing.backend_tests import BackendTests
+    from tiering.testing.copy_strategy_tests import CopyStrategyTests
     from tiering.testing.policy_tests import PolicyTests
 
-__all__ = ["BackendTests", "PolicyTests"]
+__all__ = ["BackendTests", "CopyStrategyTests", "PolicyTests"]
 
 _SUITES = {
     "BackendTests": "tiering.testing.backend_tests",
+    "CopyStrategyTests": "tiering.testing.copy_strategy_tests",
     "PolicyTests": "tiering.testing.policy_tests",
 }
 

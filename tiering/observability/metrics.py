@@ -1,0 +1,256 @@
+"""The metrics a manager exposes: their catalogue, and one reading of a manager's counters.
+
+Nothing here runs on the protocol's hot path. The manager and its tiers keep plain integer
+counters (``manager.metrics()``, each tier's ``TierMetrics``, each backend's ``BackendStats``)
+and per-job latency samples; :func:`read_samples` reads them when asked (at a Prometheus
+scrape, or on an exporter's timer) and :class:`LatencyCursor` hands out the latency samples
+recorded since its last call. Reading from another thread is safe: every value read is one
+attribute, one ``len()`` or one slice of a list, each atomic under the GIL, and nothing is
+written.
+
+Every metric is labelled with ``tier`` (the tier's name; ``primary`` for the CPU tier) and
+``medium`` (``CPU``, or the tier's medium). ``docs/metrics.md`` lists them all; a test checks
+that it lists exactly :data:`CATALOGUE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+__all__ = [
+    "CATALOGUE",
+    "LATENCY_BUCKETS_S",
+    "PRIMARY_TIER",
+    "LatencyCursor",
+    "MetricSpec",
+    "Sample",
+    "read_samples",
+]
+
+#: The ``tier`` label of the CPU primary tier.
+PRIMARY_TIER = "primary"
+#: Buckets of the job latency histograms: 50 us to 10 s (a promotion or store job of a batch).
+LATENCY_BUCKETS_S = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric. ``name`` is the exposed name without the ``_total`` a counter gets;
+    ``labels`` come after ``tier`` and ``medium``."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # -- usage ---------------------------------------------------------------------------------
+    MetricSpec("tiering_capacity_blocks", "gauge", "Blocks the tier can hold."),
+    MetricSpec("tiering_used_blocks", "gauge", "Blocks the tier holds now."),
+    MetricSpec("tiering_block_bytes", "gauge", "Bytes of one block (one CPU pool row)."),
+    MetricSpec("tiering_inflight_jobs", "gauge", "Promotion and store jobs in flight."),
+    # -- lookups -------------------------------------------------------------------------------
+    MetricSpec(
+        "tiering_lookup_hits",
+        "counter",
+        "Lookups of a key absent from the primary that found it ready in this tier.",
+    ),
+    # -- data moved ----------------------------------------------------------------------------
+    MetricSpec("tiering_store_jobs", "counter", "Store (write) jobs started to the tier."),
+    MetricSpec("tiering_stored_blocks", "counter", "Blocks written to the tier and published."),
+    MetricSpec("tiering_promotions", "counter", "Promotion jobs (tier to primary) started."),
+    MetricSpec("tiering_promoted_blocks", "counter", "Blocks promoted from the tier."),
+    MetricSpec(
+        "tiering_promotions_without_space",
+        "counter",
+        "Promotions that found no free primary slot (primary only).",
+    ),
+    MetricSpec("tiering_written_bytes", "counter", "Payload bytes written to the tier."),
+    MetricSpec("tiering_read_bytes", "counter", "Payload bytes read from the tier."),
+    # -- pressure and failures -----------------------------------------------------------------
+    MetricSpec("tiering_evicted_blocks", "counter", "Blocks evicted from the tier."),
+    MetricSpec(
+        "tiering_shed_stores",
+        "counter",
+        "Blocks not written to the tier: too many jobs in flight or no room to evict.",
+    ),
+    MetricSpec(
+        "tiering_full_retries", "counter", "Writes retried after the backend reported full."
+    ),
+    MetricSpec(
+        "tiering_failures",
+        "counter",
+        "Blocks whose store or promotion failed, by kind (store, promotion).",
+        ("kind",),
+    ),
+    MetricSpec(
+        "tiering_corrupt_blocks",
+        "counter",
+        "Blocks that failed verification on read (never served; part of promotion failures).",
+    ),
+    MetricSpec(
+        "tiering_quarantined_keys",
+        "counter",
+        "Keys quarantined after a failed read (treated as absent for a while).",
+    ),
+    # -- the backend ---------------------------------------------------------------------------
+    MetricSpec(
+        "tiering_backend_operations",
+        "counter",
+        "Blocks the backend was asked to put, get or delete, by op.",
+        ("op",),
+    ),
+    MetricSpec(
+        "tiering_backend_results",
+        "counter",
+        "Outcomes of the backend's block reads and writes, by result "
+        "(hit, miss, corrupt, read_failure, put_failure).",
+        ("result",),
+    ),
+    # -- latency -------------------------------------------------------------------------------
+    MetricSpec(
+        "tiering_job_latency_seconds",
+        "histogram",
+        "Latency of one tier job (one batch of blocks), by op (load, store).",
+        ("op",),
+    ),
+)
+
+_SPECS = {spec.name: spec for spec in CATALOGUE}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One value of a counter or gauge: ``labels`` are ``(tier, medium, *spec.labels)``."""
+
+    name: str
+    labels: tuple[str, ...]
+    value: float
+
+
+class _TierLike(Protocol):
+    name: str
+    medium: str
+    metrics: Any
+    backend: Any
+    inflight_jobs: int
+    is_open: bool
+
+    @property
+    def capacity_blocks(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+class ManagerLike(Protocol):
+    """What is read: a :class:`~tiering.TieringOffloadingManager`'s public attributes."""
+
+    row_bytes: int
+    primary: Any
+
+    @property
+    def tiers(self) -> list[Any]: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+
+def read_samples(manager: ManagerLike) -> Iterator[Sample]:
+    """The counters and gauges of ``manager`` and its tiers, now."""
+    counters = manager.metrics()
+    primary = counters["primary"]
+    labels = (PRIMARY_TIER, str(manager.primary.medium))
+    yield Sample("tiering_capacity_blocks", labels, manager.primary.num_blocks)
+    yield Sample("tiering_used_blocks", labels, primary["blocks"])
+    yield Sample("tiering_block_bytes", labels, manager.row_bytes)
+    yield Sample("tiering_promotions_without_space", labels, primary["promotions_without_space"])
+    for tier in manager.tiers:
+        yield from _tier_samples(tier, counters[tier.name], manager.row_bytes)
+
+
+def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> Iterator[Sample]:
+    labels = (tier.name, tier.medium)
+    yield Sample("tiering_capacity_blocks", labels, counters["capacity_blocks"])
+    yield Sample("tiering_used_blocks", labels, counters["blocks"])
+    yield Sample("tiering_block_bytes", labels, row_bytes)
+    yield Sample("tiering_inflight_jobs", labels, counters["inflight_jobs"])
+    for name, key in (
+        ("tiering_lookup_hits", "lookup_hits"),
+        ("tiering_store_jobs", "store_jobs"),
+        ("tiering_stored_blocks", "stored_blocks"),
+        ("tiering_promotions", "promotions"),
+        ("tiering_promoted_blocks", "promoted_blocks"),
+        ("tiering_written_bytes", "bytes_written"),
+        ("tiering_read_bytes", "bytes_read"),
+        ("tiering_evicted_blocks", "evictions"),
+        ("tiering_shed_stores", "stores_shed"),
+        ("tiering_full_retries", "full_retries"),
+        ("tiering_corrupt_blocks", "corrupt_blocks"),
+        ("tiering_quarantined_keys", "quarantined"),
+    ):
+        yield Sample(name, labels, counters[key])
+    yield Sample("tiering_failures", (*labels, "store"), counters["store_failures"])
+    yield Sample("tiering_failures", (*labels, "promotion"), counters["promotion_failures"])
+    backend = counters["backend"]
+    for op, key in (("put", "puts"), ("get", "gets"), ("delete", "deletes")):
+        yield Sample("tiering_backend_operations", (*labels, op), backend[key])
+    for result, key in (
+        ("hit", "hits"),
+        ("miss", "misses"),
+        ("corrupt", "corrupt"),
+        ("read_failure", "read_failures"),
+        ("put_failure", "put_failures"),
+    ):
+        yield Sample("tiering_backend_results", (*labels, result), backend[key])
+
+
+class LatencyCursor:
+    """Hands out each tier's job latency samples recorded since the last call.
+
+    Today a tier appends every job's latency to a list (``TierMetrics.load_latency_s`` and
+    ``store_latency_s``); the cursor remembers how far it has read each list, so each sample
+    is handed out once and a scrape costs the samples since the previous one.
+    """
+
+    def __init__(self) -> None:
+        self._read: dict[tuple[str, str], int] = {}
+
+    def new_samples(self, manager: ManagerLike) -> Iterator[tuple[tuple[str, ...], list[float]]]:
+        """``((tier, medium, op), samples)`` for every tier and op, op ``load`` or ``store``."""
+        for tier in manager.tiers:
+            for op, samples in (
+                ("load", tier.metrics.load_latency_s),
+                ("store", tier.metrics.store_latency_s),
+            ):
+                done = self._read.get((tier.name, op), 0)
+                if len(samples) < done:  # the list was replaced (a reset): start over
+                    done = 0
+                fresh = samples[done:]
+                self._read[(tier.name, op)] = done + len(fresh)
+                yield (tier.name, tier.medium, op), fresh
+
+
+def spec(name: str) -> MetricSpec:
+    return _SPECS[name]
