@@ -1,7 +1,9 @@
 """The local-NVMe file backend: fixed-size slots in one preallocated file.
 
 Layout
-    The backend owns a directory (mode 0700) holding ``slots.bin`` and ``manifest.json``.
+    The backend owns a directory (mode 0700) holding ``slots.bin``, ``manifest.json`` and
+    tiering's marker (:mod:`tiering.backends.ownership`): it claims only an absent or empty
+    directory, or one that carries the marker, and refuses any other.
     ``slots.bin`` is ``capacity_blocks`` slots of ``slot_bytes`` each, preallocated with
     ``posix_fallocate`` so that writes into it cannot run out of space. A slot is a 4096-byte
     *header area* followed by the payload rounded up to 4096 bytes (so every slot, header and
@@ -77,11 +79,15 @@ Recovery
     reads and checksums every payload; ``"trust_header"`` checks header, key, fingerprint,
     stamp and that the file holds the whole payload, leaving payload checks to ``get``;
     ``"wipe"`` starts empty). A slot that cannot be read (EIO) is skipped, not zeroed: an I/O
-    error is no proof of damage, and a later open may recover it. A capacity change keeps the
-    entries of the slots that still fit. If the
-    manifest is missing, unreadable or disagrees on block size, slot size, format or
-    fingerprint, the old data are not trusted: the file is emptied and
-    ``stats.extra["manifest_mismatch"]`` counts it. When one key is found in two slots (a crash
+    error is no proof of damage, and a later open may recover it. Every slot that held
+    something and is not recovered is counted: rejected (its header, stamp or payload does not
+    verify, or it is not zero and has no header), unreadable, missing from a truncated file, or
+    past the capacity (a capacity change keeps the entries of the slots that still fit). If
+    the manifest (or, without one, the marker) names another block size, fingerprint or slot
+    format, the data are another layout's: the open is refused (``on_layout_mismatch``), or
+    they are set aside or wiped as configured, never emptied silently. A missing or damaged
+    manifest costs a full verification of every slot (``manifest_damaged``), not the data.
+    When one key is found in two slots (a crash
     between writing a new slot and invalidating the old one), the copy with the highest
     sequence number that verifies is kept: newer wins, and a torn newer copy (an
     unacknowledged put) falls back to the older, acknowledged one. Losing copies and rejected

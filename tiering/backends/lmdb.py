@@ -68,13 +68,25 @@ Map size
     older value of that key is deleted too). A delete that hits it grows the map by a few pages
     (with no read transaction active): deletes must always make progress.
 
+Files and damage
+    The directory is claimed as tiering's (:mod:`tiering.backends.ownership`): absent, empty or
+    marked. Before ``lmdb.open`` maps the data file,
+    :func:`tiering.backends.lmdb_check.check_data_file` reads it with plain reads (meta pages,
+    file size against the last page, every B-tree page and overflow run): LMDB would die of
+    SIGBUS on a truncated file. A file that fails is moved
+    to ``data.mdb.damaged`` (one copy kept), its blocks counted in ``recovery_dropped_blocks``
+    and ``damaged_files``, and the tier starts empty. Blocks of another layout (``meta``'s
+    record) are refused by default (``on_layout_mismatch``), or set aside or wiped as
+    configured. ``read_only`` opens the environment without a lock file write or any change.
+
 Recovery (``recover``)
     ``"trust_header"`` (default): at open, every stored value's header is checked (its own
     checksum, the key it names, the layout fingerprint, the payload size); payload checksums are
     checked on every get anyway. ``"verify"``: the payload checksum is checked too (reads the whole
-    database). ``"wipe"``: start empty. Entries that fail are deleted; if the layout recorded in
-    ``meta`` differs from this backend's, every block is dropped at once. If more blocks verify
-    than ``capacity_blocks`` (a smaller capacity than the last run), the surplus is deleted.
+    database). ``"wipe"``: start empty. Entries that fail are deleted, and so counted; entries the
+    blocks database claims but a damaged page hides from the cursor or from a lookup are
+    counted too. If more blocks verify than ``capacity_blocks`` (a smaller capacity than the
+    last run), the surplus is deleted.
 
 Fork safety
     An LMDB environment must not be used after ``fork()``. Every call checks the process id and
@@ -87,7 +99,8 @@ Stats
     ``puts``/``gets`` count keys asked for; ``bytes_written``/``bytes_read`` count payload bytes
     of ``OK`` results. ``extra``: ``write_txns`` (committed write transactions),
     ``map_full_errors``, ``map_grows``, ``stale_readers_cleared``, ``recovered_blocks``,
-    ``recovery_dropped_blocks``.
+    ``recovery_dropped_blocks``, ``damaged_files``, ``layout_mismatches``,
+    ``untrusted_files_removed``.
 
 Never open an LMDB directory from an untrusted source: LMDB trusts its own file format.
 """
