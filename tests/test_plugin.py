@@ -4,6 +4,7 @@ point, run the conformance suite on it, and use it from a YAML config."""
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiering import registry
+from tiering import cli, registry
 from tiering.backends.base import StorageBackend
 from tiering.backends.block_format import HEADER_BYTES
 from tiering.config import PluginSettings, build_manager, build_pool, load_config, resolve_plugins
@@ -213,3 +214,16 @@ def test_the_test_kits_are_exported() -> None:
     assert sorted(kits.__all__) == ["BackendTests", "CopyStrategyTests", "PolicyTests"]
     with pytest.raises(AttributeError, match="no attribute 'PolicyTest'"):
         kits.PolicyTest  # noqa: B018
+
+
+def test_inspect_skips_a_plugin_tier_it_cannot_read_without_writing(
+    example_plugin: registry.BackendEntry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = tmp_path / "tiering.yaml"
+    config_path.write_text(CONFIG)
+    (tmp_path / "plugged").mkdir()
+    (tmp_path / "plugged" / "x.blk").write_bytes(b"some block")
+    assert cli.main(["inspect", "--config", str(config_path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: the example_dir backend has no read-only mode, and inspect never writes" in out
+    assert os.listdir(tmp_path / "plugged") == ["x.blk"]

@@ -58,6 +58,7 @@ from tiering.config import (
     wipe_tier,
 )
 from tiering.errors import BackendError, ConfigError, TieringError
+from tiering.registry import get_backend
 from tiering.replay.progress import ProgressBar
 from tiering.transfer import machine_choice
 
@@ -280,6 +281,11 @@ async def inspect_tier(
     )
     if tier.path is None:
         report.notes.append(f"a {tier.type} tier keeps no files: nothing to inspect")
+        return report
+    if not get_backend(tier.type).accepts("read_only"):
+        report.notes.append(
+            f"skipped: the {tier.type} backend has no read-only mode, and inspect never writes"
+        )
         return report
     if not tier.path.exists():
         sized = build_backend(tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint)
