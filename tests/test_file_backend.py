@@ -404,7 +404,10 @@ async def test_sigkill_keeps_every_acknowledged_write(tmp_path: Path) -> None:
             else:
                 assert None in allowed, f"key {i}: acknowledged data lost"
                 state[i] = {None}
-        assert backend.stats.extra["recovery_rejected"] == 0  # fsync'd: nothing torn
+        # Only the put the kill interrupted can be torn (a page at a time, at any point of its
+        # pwritev): its slots may be rejected, and are counted; an acknowledged one never is.
+        interrupted = log[-1] if log and log[-1][0] == "start" and log[-1][1] == "put" else []
+        assert backend.stats.extra["recovery_rejected"] <= max(0, len(interrupted) - 3)
 
 
 @pytest.mark.asyncio
