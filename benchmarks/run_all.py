@@ -56,6 +56,15 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         ("--batch", "128"),
     ),
     (
+        "bench_redis_tier",
+        "Redis tier against raw pipelined redis-py",
+        "RedisBackend puts and gets of 256 KiB and 2 MiB blocks on a standalone redis-server and "
+        "a 3-master Redis Cluster started by the benchmark, against raw pipelined redis-py with "
+        "the same batches (target: 0.8 or better), and the event-loop lag meanwhile (target: "
+        "p99 5 ms or less).",
+        (),
+    ),
+    (
         "bench_metadata",
         "Manager metadata per operation, 1e3 to 1e6 blocks",
         "Microseconds per stored block (eviction included) and per lookup, and their growth "

@@ -1,4 +1,5 @@
-"""The shared backend conformance suite, run for FileBackend in several configurations."""
+"""The shared backend conformance suite, run for FileBackend in several configurations and for
+MemoryBackend."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tiering.backends.base import StorageBackend
 from tiering.backends.block_format import HEADER_BYTES, unpack_header
 from tiering.backends.file import HEADER_AREA_BYTES, SLOTS_NAME, FileBackend, slot_bytes_for
+from tiering.backends.memory import MemoryBackend
 from tiering.errors import CorruptBlockError
 from tiering.testing import BackendTests
 
@@ -112,3 +114,26 @@ class TestFileBackendODirectBounce(FileBackendSuite):
     block_bytes = 12_345
     buffer_offset_bytes = 8
     options = {"o_direct": True, "durability": "fsync"}
+
+
+class TestMemoryBackend(BackendTests):
+    """The in-memory backend: not persistent, same verified block format."""
+
+    persistent = False
+
+    def make_backend(
+        self, path: Path, *, capacity_bytes: int, block_bytes: int, fingerprint: bytes
+    ) -> StorageBackend:
+        return MemoryBackend(
+            capacity_bytes=capacity_bytes, block_bytes=block_bytes, fingerprint=fingerprint
+        )
+
+    def capacity_bytes_for(self, n_blocks: int, block_bytes: int) -> int:
+        return n_blocks * (HEADER_BYTES + block_bytes)
+
+    def expected_usage_bytes(self, backend: StorageBackend, n_blocks: int) -> int:
+        return n_blocks * (HEADER_BYTES + backend.block_bytes)
+
+    def corrupt_stored_block(self, backend: StorageBackend, key: bytes) -> None:
+        assert isinstance(backend, MemoryBackend)
+        backend.corrupt(key, HEADER_BYTES + backend.block_bytes // 2)

@@ -23,7 +23,7 @@ from tiering.observability.kv_events import (
     decode_batch,
     to_kv_events,
 )
-from tiering.specs import OffloadingEvent
+from tiering.protocol import OffloadingEvent
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.errors import ConfigurationError, InvalidArgumentError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.lookup import HybridHit, KeyState, find_hybrid_hit
 
@@ -24,7 +27,11 @@ MAMBA32 = KVCacheGroup(GroupKind.MAMBA, 32, (64,))
 
 
 def run(
-    spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: int
+    spec: KVCacheSpec,
+    states: list[list[KeyState]],
+    prompt_tokens: int,
+    *,
+    engine_recomputes_last_token: bool = False,
 ) -> tuple[HybridHit, list[list[bytes]], list[bytes]]:
     keys = [[bytes([g, i]) for i in range(len(s))] for g, s in enumerate(states)]
     table = {k: st for g, s in enumerate(states) for k, st in zip(keys[g], s, strict=True)}
@@ -34,7 +41,14 @@ def run(
         asked.append(key)
         return table[key]
 
-    return find_hybrid_hit(spec, keys, state_of, prompt_tokens), keys, asked
+    hit = find_hybrid_hit(
+        spec,
+        keys,
+        state_of,
+        prompt_tokens,
+        engine_recomputes_last_token=engine_recomputes_last_token,
+    )
+    return hit, keys, asked
 
 
 def test_full_attention_needs_the_whole_prefix() -> None:
@@ -48,6 +62,43 @@ def test_last_prompt_token_is_always_computed() -> None:
     assert hit.answer == 48  # 64 would leave nothing to compute
     hit, _, _ = run(make_spec(FULL16), [[R, R, R, R]], prompt_tokens=65)
     assert hit.answer == 64
+
+
+def test_engine_that_recomputes_the_last_token_may_hit_the_whole_prompt() -> None:
+    # vLLM's case: a 432-token prompt fully offloaded in 16-token blocks.
+    hit, keys, _ = run(make_spec(FULL16), [[R] * 27], prompt_tokens=432)
+    assert hit.answer == 416
+    hit, keys, _ = run(
+        make_spec(FULL16), [[R] * 27], prompt_tokens=432, engine_recomputes_last_token=True
+    )
+    assert hit.answer == 432 and hit.needed_keys == (tuple(keys[0]),)
+    hit, _, _ = run(
+        make_spec(FULL16), [[R] * 27], prompt_tokens=433, engine_recomputes_last_token=True
+    )
+    assert hit.answer == 432  # not a whole number of blocks: unchanged
+
+
+def test_a_window_or_mamba_group_always_leaves_the_last_token() -> None:
+    for window_group in (SWA16, MAMBA32):
+        spec = make_spec(FULL16, window_group)
+        states = [[R] * 4, [R] * (4 if window_group is SWA16 else 2)]
+        for recomputes in (False, True):
+            hit, _, _ = run(spec, states, 64, engine_recomputes_last_token=recomputes)
+            assert hit.answer == (48 if window_group is SWA16 else 32)
+
+
+def test_bad_arguments_are_typed_errors_naming_them() -> None:
+    spec = make_spec(FULL16)
+    with pytest.raises(InvalidArgumentError, match="num_prompt_tokens"):
+        run(spec, [[R]], -1)
+    with pytest.raises(InvalidArgumentError, match="num_prompt_tokens"):
+        run(spec, [[R]], cast(int, 1.5))
+    with pytest.raises(InvalidArgumentError, match="spec must be a KVCacheSpec"):
+        find_hybrid_hit(cast(KVCacheSpec, None), [[b"k"]], lambda k: R, 10)
+    with pytest.raises(InvalidArgumentError, match="engine_recomputes_last_token"):
+        run(spec, [[R]], 10, engine_recomputes_last_token=cast(bool, "yes"))
+    with pytest.raises(ConfigurationError, match="keys for 2 groups"):
+        find_hybrid_hit(spec, [[b"k"], [b"k"]], lambda k: R, 10)
 
 
 def test_sliding_window_needs_only_the_window_before_the_hit_end() -> None:
@@ -100,12 +151,16 @@ def test_no_hit_is_zero() -> None:
     assert hit.needed_keys == ((), ())
 
 
-def brute_force(spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: int) -> int:
+def brute_force(
+    spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: int, recomputes: bool
+) -> int:
     """The rule stated plainly: the largest valid T, trying every multiple of every size."""
     sizes = [spec.offloaded_block_size(g) for g in range(spec.num_groups)]
     step = math.lcm(*sizes)
     best = 0
-    for tokens in range(step, prompt_tokens, step):
+    full_attention_only = all(g.kind is GroupKind.FULL_ATTENTION for g in spec.groups)
+    last = prompt_tokens + 1 if recomputes and full_attention_only else prompt_tokens
+    for tokens in range(step, last, step):
         ok = True
         for g, s in enumerate(states):
             n = tokens // sizes[g]
@@ -127,13 +182,18 @@ def brute_force(spec: KVCacheSpec, states: list[list[KeyState]], prompt_tokens: 
     ),
     data=st.data(),
     prompt_tokens=st.integers(0, 300),
+    recomputes=st.booleans(),
 )
-def test_matches_the_plain_rule(kinds: list[str], data: st.DataObject, prompt_tokens: int) -> None:
+def test_matches_the_plain_rule(
+    kinds: list[str], data: st.DataObject, prompt_tokens: int, recomputes: bool
+) -> None:
     table = {"full16": FULL16, "full32": FULL32, "swa16": SWA16, "mamba32": MAMBA32}
     spec = make_spec(*(table[k] for k in kinds))
     states = [
         data.draw(st.lists(st.sampled_from([R, A, P]), max_size=20)) for _ in range(spec.num_groups)
     ]
-    hit, _, _ = run(spec, states, prompt_tokens)
-    assert hit.num_tokens == brute_force(spec, states, prompt_tokens)
-    assert hit.num_tokens < max(prompt_tokens, 1)
+    hit, _, _ = run(spec, states, prompt_tokens, engine_recomputes_last_token=recomputes)
+    assert hit.num_tokens == brute_force(spec, states, prompt_tokens, recomputes)
+    assert hit.num_tokens <= prompt_tokens
+    if not recomputes:
+        assert hit.num_tokens < max(prompt_tokens, 1)

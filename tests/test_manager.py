@@ -7,7 +7,7 @@ import pytest
 from tiering.errors import InvalidKeyError, ProtocolError
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
-from tiering.specs import OffloadingEvent
+from tiering.protocol import OffloadingEvent
 
 
 def k(i: int) -> OffloadKey:

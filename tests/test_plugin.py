@@ -207,11 +207,18 @@ def test_the_test_kits_import_without_pytest_and_say_what_is_missing() -> None:
 def test_the_test_kits_are_exported() -> None:
     import tiering.testing as kits
     from tiering.testing.backend_tests import BackendTests as backend_suite
+    from tiering.testing.manager_tests import ManagerTests as manager_suite
     from tiering.testing.policy_tests import PolicyTests as policy_suite
 
     assert kits.BackendTests is backend_suite
     assert kits.PolicyTests is policy_suite
-    assert sorted(kits.__all__) == ["BackendTests", "CopyStrategyTests", "PolicyTests"]
+    assert kits.ManagerTests is manager_suite
+    assert sorted(kits.__all__) == [
+        "BackendTests",
+        "CopyStrategyTests",
+        "ManagerTests",
+        "PolicyTests",
+    ]
     with pytest.raises(AttributeError, match="no attribute 'PolicyTest'"):
         kits.PolicyTest  # noqa: B018
 

@@ -5,21 +5,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from tiering.backends.base import Outcome
 from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
-from tiering.specs import OffloadingEvent
+from tiering.protocol import LookupResult, OffloadingEvent
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 256
+RETRY = LookupResult.RETRY
 FINGERPRINT = make_layout_fingerprint({"test": ROW_BYTES})
 
 
@@ -39,12 +42,15 @@ def memory_tier(blocks: int, **kwargs: object) -> SecondaryTier:
 class Harness:
     """A manager plus the engine's side of a store: writing known bytes into the slots."""
 
-    def __init__(self, primary_blocks: int, tiers: Sequence[SecondaryTier]) -> None:
+    def __init__(
+        self, primary_blocks: int, tiers: Sequence[SecondaryTier], *, step_driven: bool = False
+    ) -> None:
         self.pool = torch.zeros(primary_blocks, ROW_BYTES, dtype=torch.uint8)
         self.manager = TieringOffloadingManager(
             CPUOffloadingManager(primary_blocks, "lru", enable_events=True),
             tiers,
             pool=self.pool,
+            step_driven=step_driven,
         )
         self.manager.wait_ready()
 
@@ -97,7 +103,7 @@ def test_write_through_then_promotion_is_bit_exact(harness_factory: type[Harness
     assert h.manager.lookup(k(1)) is True
     h.assert_loaded_exact(k(1))
     events = h.manager.take_events()
-    assert OffloadingEvent((k(1), k(2)), "MEMORY", False) in events
+    assert OffloadingEvent((k(1), k(2)), "MEMORY", False, "memory") in events
     assert OffloadingEvent((k(1),), "CPU", False) in events[-2:]
 
 
@@ -107,9 +113,9 @@ def test_a_key_is_never_promoted_twice_at_once(harness_factory: type[Harness]) -
     h.settle()
     h.store(k(2), k(3))
     h.settle()
-    assert h.manager.lookup(k(1), "req") is None
-    assert h.manager.lookup(k(1), "req") is None  # asked again: starts the batch once
-    assert h.manager.lookup(k(1), "other") in (None, True)  # in flight or already done
+    assert h.manager.lookup(k(1), req_context="req") is None
+    assert h.manager.lookup(k(1), req_context="req") is None  # asked again: starts the batch once
+    assert h.manager.lookup(k(1), req_context="other") in (None, True)  # in flight or already done
     h.settle()
     assert h.manager.tiers[0].metrics.promotions == 1
     assert h.manager.tiers[0].metrics.promoted_blocks == 1
@@ -121,10 +127,10 @@ def test_promotions_are_batched_per_request(harness_factory: type[Harness]) -> N
     h.settle()
     h.store(k(4), k(5), k(6), k(7))  # evicts 1-3 from the primary
     h.settle()
-    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") is None
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], req_context="req") is None
     h.settle()
     assert h.manager.tiers[0].metrics.promotions == 1
-    assert h.manager.lookup_prefix([k(1), k(2), k(3)], "req") == 3
+    assert h.manager.lookup_prefix([k(1), k(2), k(3)], req_context="req") == 3
     h.assert_loaded_exact(k(1), k(2), k(3))
 
 
@@ -147,7 +153,7 @@ def test_corrupt_promotion_is_a_counted_miss_and_not_retried(
     assert h.manager.lookup(k(1)) is False
     h.settle()
     assert tier.metrics.promotions == 1  # no retry loop
-    assert OffloadingEvent((k(1),), "MEMORY", True) in h.manager.take_events()
+    assert OffloadingEvent((k(1),), "MEMORY", True, "memory") in h.manager.take_events()
 
 
 class FailingBackend(MemoryBackend):
@@ -280,7 +286,7 @@ def test_reset_cache_drops_every_tier(harness_factory: type[Harness]) -> None:
     assert h.manager.lookup(k(1)) is False and len(tier) == 0
     events = h.manager.take_events()
     assert OffloadingEvent((k(1),), "CPU", True) in events
-    assert OffloadingEvent((k(1),), "MEMORY", True) in events
+    assert OffloadingEvent((k(1),), "MEMORY", True, "memory") in events
 
 
 @pytest.mark.asyncio
@@ -305,3 +311,173 @@ async def test_async_lifecycle_and_lookup() -> None:
         for job in jobs:
             await job
     assert tier.backend.is_open is False
+
+
+def test_step_driven_batches_promotions_per_request_until_the_step_ends(
+    harness_factory: type[Harness],
+) -> None:
+    tier = memory_tier(16)
+    h = harness_factory(4, [tier], step_driven=True)
+    manager = h.manager
+    h.store(k(1), k(2), k(3), k(4))
+    h.settle()
+    h.store(k(5), k(6), k(7), k(8))  # 1-4 now only in the tier
+    h.settle()
+    assert manager.lookup_result(k(1), req_context="a") is RETRY
+    assert manager.lookup_result(k(2), req_context="a") is RETRY
+    assert manager.lookup_result(k(3), req_context="b") is RETRY
+    assert manager.lookup_result(k(1), req_context="b") is RETRY  # a's batch already has it
+    assert manager.lookup_result(k(1), req_context="a") is RETRY  # asked again: still batched
+    assert manager.inflight_jobs() == [] and tier.metrics.promotions == 0
+    assert manager.has_pending_work()
+    manager.on_schedule_end()  # one job per request and tier, with its request's context
+    jobs = sorted(
+        (str(j.req_context), j.keys) for j in manager.inflight_jobs() if j.kind == "promote"
+    )
+    assert jobs == [("a", (k(1), k(2))), ("b", (k(3),))]
+    for job in manager.inflight_jobs():
+        assert job.future is not None
+        job.future.result()  # the I/O is done...
+    assert manager.lookup_result(k(1), req_context="a") is RETRY  # ...but not applied mid-step
+    assert manager.lookup_result(k(4), req_context="a") is RETRY  # a new batch
+    manager.on_schedule_end()  # applies the promotions submitted at the previous boundary
+    assert manager.lookup_result(k(1), req_context="a") is LookupResult.HIT
+    assert manager.lookup_result(k(3), req_context="b") is LookupResult.HIT
+    h.assert_loaded_exact(k(1), k(2), k(3))
+    h.settle()
+    h.assert_loaded_exact(k(4))
+
+
+def test_standalone_applies_results_at_the_next_call(harness_factory: type[Harness]) -> None:
+    h = harness_factory(2, [memory_tier(8)])
+    h.store(k(1), k(2))
+    h.settle()
+    h.store(k(3), k(4))
+    h.settle()
+    manager = h.manager
+    assert manager.lookup_result(k(1), req_context="a") is RETRY
+    assert manager.inflight_jobs() == []  # batched for request a
+    assert manager.lookup_result(k(9), req_context="b") is LookupResult.MISS  # b: a's batch goes
+    for job in manager.inflight_jobs():
+        assert job.future is not None and job.req_context == "a"
+        job.future.result()
+    assert manager.lookup_result(k(1), req_context="b") is LookupResult.HIT
+
+
+def test_hit_pending_while_a_tier_write_is_in_flight(harness_factory: type[Harness]) -> None:
+    backend = GatedBackend(
+        capacity_bytes=8 * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    backend.gate = threading.Event()
+    tier = SecondaryTier(backend, write_policy="write_back")
+    h = harness_factory(2, [tier], step_driven=True)
+    manager = h.manager
+    h.store(k(1), k(2))
+    assert manager.prepare_store([k(3)], req_context="evictor") is None  # k(1) written back
+    (job,) = manager.inflight_jobs()
+    assert job.kind == "write_back" and job.keys == (k(1),) and job.req_context == "evictor"
+    assert manager.lookup_result(k(1)) is LookupResult.HIT_PENDING
+    assert manager.lookup(k(1)) is None
+    backend.gate.set()
+    h.settle()
+    assert manager.lookup_result(k(1), req_context="r") is RETRY  # in the tier: promotion
+    h.settle()
+    assert manager.lookup_result(k(1)) is LookupResult.HIT
+    h.assert_loaded_exact(k(1))
+
+
+def test_tier_jobs_carry_the_context_that_started_them(harness_factory: type[Harness]) -> None:
+    h = harness_factory(4, [memory_tier(8)])
+    out = h.manager.prepare_store([k(1), k(2)], req_context="req-9")
+    assert out is not None
+    h.manager.complete_store([k(1), k(2)], req_context="req-9")
+    (job,) = h.manager.inflight_jobs()
+    assert (job.kind, job.keys, job.req_context) == ("store", (k(1), k(2)), "req-9")
+    h.settle()
+
+
+def test_promotions_are_not_store_offers(tmp_path: Path) -> None:
+    """A block a tier already holds comes back whatever the primary's store_threshold."""
+
+    def manager(threshold: int) -> tuple[TieringOffloadingManager, torch.Tensor]:
+        backend = FileBackend(
+            path=tmp_path / "nvme",
+            capacity_bytes=8 * slot_bytes_for(ROW_BYTES),
+            block_bytes=ROW_BYTES,
+            fingerprint=FINGERPRINT,
+        )
+        pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+        m = TieringOffloadingManager(
+            CPUOffloadingManager(2, store_threshold=threshold), [SecondaryTier(backend)], pool=pool
+        )
+        m.wait_ready()
+        return m, pool
+
+    first, pool = manager(1)
+    out = first.prepare_store([k(1)])
+    assert out is not None
+    pool[int(out.store_spec.block_ids[0])] = Harness.payload(k(1))
+    first.complete_store([k(1)])
+    first.shutdown()
+    second, pool = manager(3)
+    try:
+        assert second.lookup_result(k(1)) is RETRY  # recovered from the file tier
+        second.wait_idle()
+        assert second.lookup_result(k(1)) is LookupResult.HIT
+        slot = int(second.prepare_load([k(1)]).block_ids[0])
+        assert torch.equal(pool[slot], Harness.payload(k(1)))
+        second.complete_load([k(1)])
+        out = second.prepare_store([k(2)])
+        assert out is not None and out.keys_to_store == []  # new blocks still need 3 offers
+    finally:
+        second.shutdown()
+
+
+def test_get_stats_reports_per_tier_deltas(harness_factory: type[Harness]) -> None:
+    backend = FailingBackend(
+        capacity_bytes=8 * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    backend.failing = False
+    tier = SecondaryTier(backend, name="disk")
+    h = harness_factory(2, [tier])
+    manager = h.manager
+    manager.get_stats()
+    h.store(k(1), k(2))
+    h.settle()
+    backend.failing = True
+    h.store(k(3))  # evicts k(1); its tier write fails
+    h.settle()
+    assert manager.lookup(k(1)) is None
+    h.settle()
+    stats = manager.get_stats()
+    assert stats["disk"]["stored_blocks"] == 2
+    assert stats["disk"]["bytes_written"] == 2 * ROW_BYTES
+    assert stats["disk"]["store_failures"] == 1
+    assert stats["disk"]["lookup_hits"] == 1
+    assert stats["disk"]["promoted_blocks"] == 1
+    assert stats["disk"]["bytes_read"] == ROW_BYTES
+    assert stats["CPU"]["stored_blocks"] == 3 + 1  # three stores and one promotion
+    assert all(v == 0 for v in manager.get_stats()["disk"].values())
+    assert manager.metrics()["disk"]["stored_blocks"] == 2  # totals stay in metrics()
+    info = manager.config_info()
+    assert [i["tier"] for i in info] == ["CPU", "disk"]
+    assert info[1]["write_policy"] == "write_through" and info[1]["block_bytes"] == ROW_BYTES
+
+
+def test_step_driven_tiers_open_at_the_first_step_boundary() -> None:
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    tier = memory_tier(8)
+    manager = TieringOffloadingManager(CPUOffloadingManager(2), [tier], pool=pool, step_driven=True)
+    try:
+        (job,) = manager.inflight_jobs()
+        assert job.kind == "open" and job.future is not None
+        job.future.result()
+        assert tier.status == "opening"  # done, not applied: no call applies it mid-step
+        manager.on_schedule_end()
+        assert tier.status == "open" and not manager.has_pending_work()
+    finally:
+        manager.shutdown()

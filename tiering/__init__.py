@@ -3,17 +3,23 @@
 A CPU primary tier (LRU or ARC) backed by secondary tiers on local NVMe files and LMDB, behind
 vLLM's scheduler-side offloading protocol and an asyncio interface. See README.md and
 docs/architecture.md.
+
+Engines code against :class:`OffloadingManager` (the protocol, in :mod:`tiering.protocol`) and
+build a :class:`CPUOffloadingManager` or :class:`TieringOffloadingManager`. Plugin authors
+subclass :class:`StorageBackend` or :class:`EvictionPolicy`; ``tiering.testing`` holds the
+conformance suites (backends, policies, managers).
 """
 
+from tiering.backends.base import BackendCapabilities, BackendStats, Outcome, StorageBackend
 from tiering.errors import (
     BackendError,
     ConfigError,
     ConfigurationError,
     CorruptBlockError,
+    InvalidArgumentError,
     InvalidKeyError,
     LayoutError,
     ProtocolError,
-    TierFullError,
     TieringError,
 )
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
@@ -26,37 +32,52 @@ from tiering.keys import (
 )
 from tiering.lookup import HybridHit, KeyState, find_hybrid_hit
 from tiering.manager import CPUOffloadingManager
-from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.policies import EvictionPolicy, register_policy
+from tiering.protocol import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+)
 from tiering.store_plan import StoreJob, plan_store
-from tiering.tier import SecondaryTier, WritePolicy
+from tiering.tier import SecondaryTier, TierJob, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendCapabilities",
     "BackendError",
+    "BackendStats",
     "CPUOffloadingManager",
     "ConfigError",
     "ConfigurationError",
     "CorruptBlockError",
+    "EvictionPolicy",
     "ExtraKeys",
     "GroupKind",
     "HybridHit",
+    "InvalidArgumentError",
     "InvalidKeyError",
     "KVCacheGroup",
     "KVCacheSpec",
     "KeyState",
     "LayoutError",
     "LoadStoreSpec",
+    "LookupResult",
     "MultiModalItem",
     "OffloadKey",
     "OffloadingEvent",
+    "OffloadingManager",
+    "Outcome",
     "PrefixHasher",
     "PrepareStoreOutput",
     "ProtocolError",
     "SecondaryTier",
+    "StorageBackend",
     "StoreJob",
-    "TierFullError",
+    "TierJob",
     "TieringError",
     "TieringOffloadingManager",
     "WritePolicy",
@@ -68,6 +89,7 @@ __all__ = [
     "load_config",
     "make_offload_key",
     "plan_store",
+    "register_policy",
 ]
 
 

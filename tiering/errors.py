@@ -12,10 +12,10 @@ __all__ = [
     "ConfigError",
     "ConfigurationError",
     "CorruptBlockError",
+    "InvalidArgumentError",
     "InvalidKeyError",
     "LayoutError",
     "ProtocolError",
-    "TierFullError",
     "TieringError",
 ]
 
@@ -36,7 +36,15 @@ class LayoutError(TieringError, ValueError):
     """Registered KV-cache tensors do not match each other or the declared cache config."""
 
 
-class InvalidKeyError(TieringError, TypeError):
+class InvalidArgumentError(TieringError, TypeError, ValueError):
+    """A call got an argument of the wrong type or value.
+
+    The message names the argument and what would be valid; the call changed nothing. It derives
+    from both ``TypeError`` and ``ValueError`` so that generic handlers of either keep working.
+    """
+
+
+class InvalidKeyError(InvalidArgumentError):
     """A key has the wrong type or shape (offload keys are ``bytes``)."""
 
 
@@ -52,10 +60,6 @@ class ProtocolError(TieringError, KeyError):
 
 class BackendError(TieringError, OSError):
     """A storage backend failed an operation (I/O error, closed backend, ...)."""
-
-
-class TierFullError(BackendError):
-    """A backend has no room for a value even after eviction."""
 
 
 class CorruptBlockError(BackendError):

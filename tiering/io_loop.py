@@ -3,21 +3,43 @@
 The scheduler of a serving engine runs its own loop (or none); the manager's sync protocol must
 never block it. Jobs are coroutines submitted here; they return ``concurrent.futures.Future``
 objects, which asyncio code can await with ``asyncio.wrap_future``.
+
+The thread survives anything a job raises. asyncio lets ``KeyboardInterrupt`` and ``SystemExit``
+out of a task, which would end ``run_forever`` and leave every pending future unresolved (a
+``drain`` that never settles); a backend plugin could raise either, or any other
+``BaseException``. So each job is wrapped: an exception that is not an ``Exception`` becomes a
+:class:`~tiering.errors.BackendError` on the job's future, and the loop runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from tiering.errors import TieringError
+from tiering.errors import BackendError, TieringError
 
 __all__ = ["IOLoop"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+
+async def _contained(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro``; a ``BaseException`` that is not an ``Exception`` becomes a BackendError."""
+    try:
+        return await coro
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise BackendError(
+            f"a background job raised {type(exc).__name__}: {exc!r:.200}; it failed, the I/O "
+            "loop goes on"
+        ) from exc
 
 
 class IOLoop:
@@ -34,7 +56,13 @@ class IOLoop:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
-        self._loop.run_forever()
+        while True:
+            try:
+                self._loop.run_forever()
+            except BaseException:  # raised through the loop by a callback: log it, keep serving
+                logger.exception("the tiering I/O loop caught an exception; it keeps running")
+                continue
+            break  # close() stopped it
         self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
@@ -47,7 +75,7 @@ class IOLoop:
         if self._closed:
             coro.close()
             raise TieringError("the I/O loop is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(_contained(coro), self._loop)
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread

@@ -15,6 +15,7 @@ from tiering.errors import InvalidKeyError
 __all__ = [
     "GROUP_INDEX_BYTES",
     "OffloadKey",
+    "check_key",
     "check_keys",
     "get_offload_block_hash",
     "get_offload_group_idx",
@@ -62,7 +63,13 @@ def check_keys(keys: Iterable[object], *, max_bytes: int | None = None) -> list[
         raise InvalidKeyError(
             f"expected a collection of offload keys (bytes), got a single {type(keys).__name__}"
         )
-    out = cast("list[OffloadKey]", list(keys))
+    try:
+        out = cast("list[OffloadKey]", list(keys))
+    except TypeError:
+        raise InvalidKeyError(
+            f"keys must be a collection of offload keys (bytes), got {type(keys).__name__}: "
+            f"{keys!r:.80}"
+        ) from None
     # The common case in passes that run in C; a hot path of every batch operation.
     if not out or (
         set(map(type, out)) == {bytes}
@@ -86,3 +93,17 @@ def check_keys(keys: Iterable[object], *, max_bytes: int | None = None) -> list[
                 f"{max_bytes} bytes: {key!r:.60}"
             )
     raise AssertionError("unreachable: a check above failed")
+
+
+def check_key(key: object) -> OffloadKey:
+    """Return ``key`` if it is an offload key, or raise :class:`InvalidKeyError` naming it."""
+    if type(key) is bytes and len(key) > GROUP_INDEX_BYTES:
+        return OffloadKey(key)
+    if type(key) is not bytes:
+        raise InvalidKeyError(
+            f"key must be an offload key (bytes), got {type(key).__name__}: {key!r:.80}"
+        )
+    raise InvalidKeyError(
+        f"key is {len(key)} bytes; an offload key is a block hash plus {GROUP_INDEX_BYTES} "
+        "bytes of group index (use make_offload_key)"
+    )

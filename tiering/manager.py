@@ -4,51 +4,85 @@ It runs in an engine's scheduler process and holds metadata only: which key is i
 the CPU pool, which blocks are being written or read, and the eviction order. The bytes live in a
 :class:`tiering.pool.CPUBlockPool` that workers copy into and out of. No call blocks or does I/O.
 
+It implements :class:`tiering.protocol.OffloadingManager`, whose docstring is the contract.
+
 Block states: a block is *not ready* while it is written, then *ready*, and a ready block may be
 *pinned* by loads. Only ready, unpinned blocks may be evicted. The state is kept in flat maps
 (key -> slot, key -> pin count, the set of keys not ready) rather than one object per block:
-a lookup is then a single probe of a dict plus one of a small set.
+a lookup is then a single probe of a dict plus one of a small set. Argument checks sit where they
+cost nothing when the types are right (a failed dict probe, one C pass over a batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
-from typing import Final
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping
+from types import MappingProxyType
 
 import numpy as np
 
-from tiering.errors import ProtocolError
-from tiering.keys import OffloadKey, check_keys
+from tiering.errors import ConfigurationError, ProtocolError
+from tiering.keys import OffloadKey, check_key, check_keys
 from tiering.policies import EvictionPolicy, make_policy
-from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from tiering.protocol import (
+    HIT,
+    HIT_PENDING,
+    MISS,
+    ConfigInfo,
+    LoadStoreSpec,
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    check_success,
+    reject_positional,
+)
 
-__all__ = ["CPUOffloadingManager"]
+__all__ = ["CPUOffloadingManager", "EvictionHook"]
+
+#: Called with the ``(key, slot)`` pairs a store evicted and the request context of the call that
+#: evicted them; returns the slots that stay allocated until :meth:`release_slots`.
+EvictionHook = Callable[[list[tuple[OffloadKey, int]], object], set[int]]
 
 
-class CPUOffloadingManager:
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class CPUOffloadingManager(OffloadingManager):
     """Scheduler-side manager of the CPU primary tier.
 
     ``policy`` is a registered policy name (``"lru"``, ``"arc"``) or an :class:`EvictionPolicy`
     instance with ``capacity == num_blocks``. With ``enable_events`` the manager records stored
-    and removed keys for :meth:`take_events`.
+    and removed keys for :meth:`take_events`. ``store_threshold`` is the number of offers to
+    :meth:`prepare_store` a key needs before it is stored (vLLM's option of that name; 1 = every
+    offer), counted for at most ``store_threshold_max_keys`` keys, the least recently offered
+    forgotten first.
 
     Slots are handed out fresh in increasing order first, then reused, most recently freed first
     (recently freed slots are the likeliest to be warm in the CPU caches and TLB).
-    """
 
-    medium: Final = "CPU"
+    It does no I/O, so it is step-driven by nature: :meth:`on_schedule_end` has nothing to do.
+    """
 
     def __init__(
         self,
         num_blocks: int,
         policy: str | EvictionPolicy = "lru",
         enable_events: bool = False,
+        *,
+        store_threshold: int = 1,
+        store_threshold_max_keys: int = 65536,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        _check_count("num_blocks", num_blocks, 0)
+        self.store_threshold = _check_count("store_threshold", store_threshold, 1)
+        _check_count("store_threshold_max_keys", store_threshold_max_keys, 1)
         if isinstance(policy, EvictionPolicy):
             if policy.capacity != num_blocks:
-                raise ValueError(
+                raise ConfigurationError(
                     f"policy capacity {policy.capacity} differs from num_blocks {num_blocks}"
                 )
             self._policy = policy
@@ -57,13 +91,26 @@ class CPUOffloadingManager:
         self.num_blocks = num_blocks
         self.enable_events = enable_events
         self._slots: dict[OffloadKey, int] = {}  # every held key
+        self._slots_view = MappingProxyType(self._slots)
         self._not_ready: set[OffloadKey] = set()  # being written
         self._pins: dict[OffloadKey, int] = {}  # ready keys pinned by loads (count > 0)
         self._next_fresh_slot = 0
         self._freed_slots: list[int] = []  # a stack: most recently freed on top
         self._events: list[OffloadingEvent] = []
         self._closed = False
-        self._eviction_hook: Callable[[list[tuple[OffloadKey, int]]], set[int]] | None = None
+        self._eviction_hook: EvictionHook | None = None
+        # Offers per key, least recently offered first; None when every offer is admitted.
+        self._offers: OrderedDict[OffloadKey, int] | None = (
+            OrderedDict() if store_threshold > 1 else None
+        )
+        self._offers_max_keys = store_threshold_max_keys
+        # Cumulative counters; get_stats() reports their growth since its previous call.
+        self._stored_blocks = 0
+        self._failed_blocks = 0
+        self._evicted_blocks = 0
+        self._loaded_blocks = 0
+        self._skipped_blocks = 0
+        self._stats_seen: dict[str, int] = {}
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -84,18 +131,44 @@ class CPUOffloadingManager:
     def slot_of(self, key: OffloadKey) -> int | None:
         return self._slots.get(key)
 
+    @property
+    def slots(self) -> Mapping[OffloadKey, int]:
+        """Every held key's slot (a read-only live view)."""
+        return self._slots_view
+
     # -- lookups ------------------------------------------------------------------------------
 
-    def lookup(self, key: OffloadKey) -> bool | None:
-        """True if stored and ready, False if absent, None while being written (retry later)."""
-        if key in self._slots:
-            return None if key in self._not_ready else True
+    def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
+        """HIT if stored and ready, HIT_PENDING while being written, MISS if absent."""
+        try:
+            if key in self._slots:
+                return HIT_PENDING if key in self._not_ready else HIT
+        except TypeError:  # unhashable: not a key
+            check_key(key)
+            raise
         if type(key) is not bytes:
-            check_keys([key])
+            check_key(key)
+        return MISS
+
+    def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
+        """True if stored and ready, False if absent, None while being written (retry later)."""
+        # lookup_result() as a bool, written out: this is the engine's hottest call.
+        try:
+            if key in self._slots:
+                return None if key in self._not_ready else True
+        except TypeError:
+            check_key(key)
+            raise
+        if type(key) is not bytes:
+            check_key(key)
         return False
 
-    def lookup_prefix(self, keys: Iterable[OffloadKey]) -> int | None:
+    def lookup_prefix(
+        self, keys: Iterable[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> int | None:
         """The number of leading keys stored and ready; None if the first non-hit is in flight."""
+        if misplaced:
+            reject_positional("lookup_prefix", misplaced, "req_context")
         count = 0
         slots, not_ready = self._slots, self._not_ready
         for key in check_keys(keys):
@@ -108,11 +181,15 @@ class CPUOffloadingManager:
 
     # -- loads --------------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
+    def prepare_load(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> LoadStoreSpec:
         """Pin ready ``keys`` until :meth:`complete_load`; ``block_ids[i]`` is ``keys[i]``'s slot.
 
         Raises ProtocolError, changing nothing, if a key is absent or not ready.
         """
+        if misplaced:
+            reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
         slots = self._slots
         for key in key_list:
@@ -120,17 +197,17 @@ class CPUOffloadingManager:
                 raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
             if key in self._not_ready:
                 raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
-        pins = self._pins
-        for key in key_list:
-            count = pins.get(key, 0)
-            if count == 0:
-                self._policy.set_evictable(key, False)
-            pins[key] = count + 1
+        self._pin(key_list)
+        self._loaded_blocks += len(key_list)
         return LoadStoreSpec(self.medium, np.fromiter((slots[k] for k in key_list), np.int64))
 
-    def complete_load(self, keys: Collection[OffloadKey]) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
         """Unpin keys pinned by :meth:`prepare_load`. Raises ProtocolError, changing nothing, if a
         key was not prepared (as many times as it is listed)."""
+        if misplaced:
+            reject_positional("complete_load", misplaced, "req_context")
         key_list = check_keys(keys)
         wanted: dict[OffloadKey, int] = {}
         for key in key_list:
@@ -151,27 +228,66 @@ class CPUOffloadingManager:
                 del pins[key]
                 self._policy.set_evictable(key, True)
 
-    def touch(self, keys: Collection[OffloadKey]) -> None:
+    def _pin(self, key_list: list[OffloadKey]) -> None:
+        pins = self._pins
+        for key in key_list:
+            count = pins.get(key, 0)
+            if count == 0:
+                self._policy.set_evictable(key, False)
+            pins[key] = count + 1
+
+    def touch(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
         """Mark keys as most recently used; the first key ends most recent. Absent keys are
         ignored."""
+        if misplaced:
+            reject_positional("touch", misplaced, "req_context")
         self._policy.touch(check_keys(keys))
 
     # -- stores -------------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
-        """Reserve slots for the absent ``keys``, evicting as needed.
+    def prepare_store(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> PrepareStoreOutput | None:
+        """Reserve slots for the absent ``keys`` that ``store_threshold`` admits, evicting as
+        needed.
 
-        Returns the keys to write (absent ones, in order, once each), their slots and the evicted
-        keys; or None, with nothing changed, if not enough blocks can be evicted. Every key of the
-        request is protected from eviction, including those already stored.
+        Returns the keys to write (absent, admitted ones, in order, once each), their slots and
+        the evicted keys; or None, with nothing changed but the offer counts, if not enough
+        blocks can be evicted. Every key of the request is protected from eviction, including
+        those already stored.
         """
+        if misplaced:
+            reject_positional("prepare_store", misplaced, "req_context")
         key_list = check_keys(keys)
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
+        if self._offers is not None:
+            to_store = self._admitted(key_list, to_store)
+        return self._reserve(key_list, to_store, req_context)
+
+    def _admitted(self, key_list: list[OffloadKey], to_store: list[OffloadKey]) -> list[OffloadKey]:
+        """Count one offer per key of the call; keep the keys offered often enough."""
+        offers = self._offers
+        assert offers is not None
+        for key in dict.fromkeys(key_list):
+            offers[key] = offers.pop(key, 0) + 1  # re-inserted: most recently offered
+        while len(offers) > self._offers_max_keys:
+            offers.popitem(last=False)
+        threshold = self.store_threshold
+        admitted = [k for k in to_store if offers.get(k, 0) >= threshold]
+        self._skipped_blocks += len(to_store) - len(admitted)
+        return admitted
+
+    def _reserve(
+        self, key_list: list[OffloadKey], to_store: list[OffloadKey], req_context: object
+    ) -> PrepareStoreOutput | None:
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
         if len(to_store) > self.num_blocks:
             return None
+        slots_of = self._slots
         evicted: list[OffloadKey] = []
         shortfall = len(to_store) - self.num_free_blocks
         if shortfall > 0:
@@ -183,10 +299,12 @@ class CPUOffloadingManager:
                 victim_key = OffloadKey(victim)
                 freed.append((victim_key, slots_of.pop(victim_key)))
                 evicted.append(victim_key)
-            retained = self._eviction_hook(freed) if self._eviction_hook else set()
+            hook = self._eviction_hook
+            retained = hook(freed, req_context) if hook is not None else set()
             for _, slot in freed:
                 if slot not in retained:
                     self._free_slot(slot)
+            self._evicted_blocks += len(evicted)
             self._emit(evicted, removed=True)
             if self.num_free_blocks < len(to_store):
                 # Write-back: some victims keep their slots until a lower tier has them.
@@ -200,9 +318,19 @@ class CPUOffloadingManager:
         spec = LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64))
         return PrepareStoreOutput(to_store, spec, evicted)
 
-    def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        *misplaced: object,
+        success: bool = True,
+        req_context: object = None,
+    ) -> None:
         """Finish a store: make the written keys ready, or on failure drop those still not
         ready and free their slots. Keys unknown or already ready are left alone."""
+        if misplaced:
+            reject_positional("complete_store", misplaced, "success and req_context")
+        if success is not True and success is not False:
+            check_success(success)
         done: list[OffloadKey] = []
         not_ready = self._not_ready
         policy = self._policy
@@ -217,7 +345,10 @@ class CPUOffloadingManager:
                 self._free_slot(self._slots.pop(key))
             done.append(key)
         if success:
+            self._stored_blocks += len(done)
             self._emit(done, removed=False)
+        else:
+            self._failed_blocks += len(done)
 
     def _allocate_slots(self, n: int) -> list[int]:
         """``n`` slots: fresh ones in increasing order, then the most recently freed."""
@@ -236,12 +367,11 @@ class CPUOffloadingManager:
 
     # -- hooks for a tiering manager -----------------------------------------------------------
 
-    def set_eviction_hook(
-        self, hook: Callable[[list[tuple[OffloadKey, int]]], set[int]] | None
-    ) -> None:
-        """Call ``hook(victims)`` with ``(key, slot)`` pairs on eviction; the slots it returns
-        stay allocated until :meth:`release_slots` (a write-back tier is still copying them).
-        With a hook, a ``prepare_store`` that evicted but got no free slots returns None."""
+    def set_eviction_hook(self, hook: EvictionHook | None) -> None:
+        """Call ``hook(victims, req_context)`` with ``(key, slot)`` pairs on eviction; the slots
+        it returns stay allocated until :meth:`release_slots` (a write-back tier is still copying
+        them). With a hook, a ``prepare_store`` that evicted but got no free slots returns
+        None."""
         self._eviction_hook = hook
 
     def release_slots(self, slots: Iterable[int]) -> None:
@@ -249,7 +379,21 @@ class CPUOffloadingManager:
         for slot in slots:
             self._free_slot(slot)
 
-    # -- events and lifecycle -----------------------------------------------------------------
+    def reserve_for_promotion(
+        self, keys: list[OffloadKey], req_context: object = None
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store` for blocks read back from a lower tier: no admission count
+        (a promotion is not an offer) and no argument checks (the keys are the tier's own)."""
+        slots_of = self._slots
+        to_store = [k for k in dict.fromkeys(keys) if k not in slots_of]
+        return self._reserve(keys, to_store, req_context)
+
+    def pin(self, keys: list[OffloadKey]) -> None:
+        """Pin ready keys that a lower tier is copying from (:meth:`prepare_load` without the
+        checks and the load count); :meth:`complete_load` unpins them."""
+        self._pin(keys)
+
+    # -- events, stats and lifecycle ----------------------------------------------------------
 
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if self.enable_events and keys:
@@ -260,8 +404,39 @@ class CPUOffloadingManager:
         events, self._events = self._events, []
         return events
 
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters (:meth:`get_stats` reports their growth)."""
+        return {
+            "stored_blocks": self._stored_blocks,
+            "failed_stores": self._failed_blocks,
+            "evicted_blocks": self._evicted_blocks,
+            "loaded_blocks": self._loaded_blocks,
+            "stores_skipped": self._skipped_blocks,
+        }
+
+    def get_stats(self) -> ManagerStats:
+        """``{"CPU": counters}``, each the growth since the previous call: ``stored_blocks``,
+        ``failed_stores`` (blocks whose store failed), ``evicted_blocks``, ``loaded_blocks``
+        (pinned by prepare_load) and ``stores_skipped`` (offers below ``store_threshold``)."""
+        now = self.counters()
+        seen, self._stats_seen = self._stats_seen, now
+        return {self.medium: {name: value - seen.get(name, 0) for name, value in now.items()}}
+
+    def config_info(self) -> list[ConfigInfo]:
+        return [
+            {
+                "tier": self.medium,
+                "medium": self.medium,
+                "num_blocks": self.num_blocks,
+                "policy": getattr(self._policy, "name", type(self._policy).__name__),
+                "store_threshold": self.store_threshold,
+            }
+        ]
+
     def reset_cache(self) -> None:
-        """Drop every block, pinned or in flight included, and all policy history."""
+        """Drop every block, pinned or in flight included, and all policy history. Offer counts
+        (``store_threshold``) survive: they measure how often a prefix comes back, which a
+        reset (a weight update) does not change."""
         self._emit(list(self._slots), removed=True)
         self._slots.clear()
         self._not_ready.clear()

@@ -66,6 +66,11 @@ def import_object(path: str, what: str) -> object:
     return obj
 
 
+def _distribution_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return "" if dist is None else re.sub(r"[-_.]+", "-", dist.name).lower()
+
+
 def describe_entry_point(ep: importlib.metadata.EntryPoint) -> str:
     """``entry point 'x = pkg.mod:Cls' (group 'g', distribution 'pkg 1.0')``, for messages."""
     dist = getattr(ep, "dist", None)
@@ -101,6 +106,12 @@ class PluginGroup:
     def names(self) -> tuple[str, ...]:
         """The entry-point names of the group (lower case), sorted; imports nothing."""
         return tuple(sorted(self._discover()))
+
+    def is_own(self, name: str) -> bool:
+        """Whether entry point ``name`` is tiering's own (declared by the ``tiering``
+        distribution itself, like ``type: redis``): part of tiering, not a plugin."""
+        entry_points = self._discover().get(name.lower(), [])
+        return len(entry_points) == 1 and _distribution_name(entry_points[0]) == "tiering"
 
     def describe(self, name: str) -> str:
         """How :func:`describe_entry_point` names the entry point(s) called ``name``."""

@@ -214,21 +214,24 @@ def available_backends() -> tuple[str, ...]:
 
 
 def check_backend_type(name: str) -> BackendEntry | None:
-    """Check a tier type without importing anything; its entry if it needs no import.
+    """Check a tier type without importing plugin code; its entry if it is tiering's own.
 
-    Built-in and registered names give their entry. An installed entry point's name or a
-    well-formed ``"module:Class"`` path gives None: its class (and so its settings) is known
-    only once :func:`get_backend` imports it. Raises :class:`ConfigurationError` for anything
-    else, listing the known names.
+    Built-in and registered names give their entry, and so does an entry point of tiering's
+    own distribution (``redis``: imported here, as it is part of tiering). A plugin's entry
+    point name or a well-formed ``"module:Class"`` path gives None: its class (and so its
+    settings) is known only once :func:`get_backend` imports it. Raises
+    :class:`ConfigurationError` for anything else, listing the known names.
     """
     _check_type_is_text(name)
     if ":" in name:
         check_import_path(name, f"backend path {name!r}")
         return None
     entry = _registry.get(name.lower())
-    if entry is None and name.lower() not in BACKEND_PLUGINS.names():
+    if entry is not None:
+        return entry
+    if name.lower() not in BACKEND_PLUGINS.names():
         raise _unknown(name)
-    return entry
+    return get_backend(name) if BACKEND_PLUGINS.is_own(name) else None
 
 
 def _check_type_is_text(name: object) -> None:

@@ -1,30 +1,64 @@
-"""A secondary tier: one storage backend with its own capacity, eviction policy and index.
+"""A secondary tier: one storage backend with its own capacity, eviction policy and index, and the
+jobs that move blocks between it and the primary tier's rows.
 
 The tier's metadata (which keys it holds, which are being written or read, the eviction order)
 lives in memory and is only touched by the manager's thread, so a lookup never touches the disk.
-Its I/O coroutines (:meth:`SecondaryTier.write` and :meth:`SecondaryTier.read`) run on the
-manager's I/O loop and touch only the backend.
+Its I/O coroutines run on the manager's I/O loop and touch only the backend and the rows they
+were given.
 
 A key is visible (``READY``) only after the backend acknowledged its write; while the write is in
-flight it is ``WRITING`` (a lookup answers "retry later"). Keys whose read failed or did not
+flight it is ``WRITING`` (a lookup answers "being written"). Keys whose read failed or did not
 verify are quarantined for a while: lookups treat them as absent, so a bad block is not promoted
 over and over.
+
+Jobs. The tier starts and finishes its own jobs. ``start_store`` (a completed primary store, by
+write policy), ``start_write_back`` (a primary eviction) and ``start_promotion`` decide what to
+move: over the job bound a store is shed and counted; room is reserved in the index, evicting as
+needed; the I/O coroutine is built over the primary rows. Each returns a :class:`TierJob` that
+says what the manager must do: hold the primary rows it reads (``keys``/``slots``), emit removal
+events (``removed``) and submit ``io``. The manager hands the job's result back to
+``finish_store`` or ``finish_promotion``, which publish or forget keys, count metrics, quarantine,
+and say what to emit and release; a write that found the backend FULL gets one retry job, after
+the tier's policy evicts room (LMDB's map can fill before the block count says so). One store job
+is written once (``_start_write``), whatever started it.
+
+A tier that fails to open is *degraded*: counted, logged once, reported by ``status`` and the
+manager's metrics; it then holds nothing and takes nothing, and the other tiers go on serving.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import enum
+import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import cachetools
+import numpy as np
 
 from tiering.backends.base import Outcome, StorageBackend
-from tiering.errors import ConfigurationError
+from tiering.errors import ConfigurationError, TieringError
 from tiering.policies import EvictionPolicy, make_policy
+from tiering.protocol import ConfigInfo
 
-__all__ = ["SecondaryTier", "TierKeyState", "TierMetrics", "WritePolicy"]
+__all__ = [
+    "IOResult",
+    "PromotionResult",
+    "SecondaryTier",
+    "StoreResult",
+    "TierJob",
+    "TierKeyState",
+    "TierMetrics",
+    "WritePolicy",
+]
+
+logger = logging.getLogger(__name__)
+
+OK, FAILED, FULL = Outcome.OK, Outcome.FAILED, Outcome.FULL
 
 
 class WritePolicy(enum.StrEnum):
@@ -43,7 +77,7 @@ class TierKeyState(enum.IntEnum):
 
 @dataclass
 class TierMetrics:
-    """Counters of one tier; latencies in seconds, one sample per job."""
+    """Counters of one tier (cumulative); latencies in seconds, one sample per job."""
 
     lookup_hits: int = 0
     promotions: int = 0
@@ -59,8 +93,79 @@ class TierMetrics:
     evictions: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    open_failures: int = 0
     load_latency_s: list[float] = field(default_factory=list)
     store_latency_s: list[float] = field(default_factory=list)
+
+    def counters(self) -> dict[str, int]:
+        """The integer counters by name (latency samples left out)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
+
+
+@dataclass(frozen=True)
+class IOResult:
+    """What a tier's read or write coroutine returns: one outcome per key, and its duration."""
+
+    outcomes: list[Outcome]
+    elapsed_s: float
+
+
+@dataclass(eq=False)  # identity: jobs live in a set
+class TierJob:
+    """One batch of I/O between the primary tier's rows and one tier.
+
+    The manager holds the primary rows of ``keys`` (at ``slots``) while the job runs, emits
+    ``removed`` (keys the tier forgot to make room) when it submits ``io``, and hands ``io``'s
+    result back to the tier. ``req_context`` is the context of the call that started the job.
+    Await a submitted job with ``await job``.
+    """
+
+    kind: str  # "store", "write_back", "promote", "open", "delete", "close"
+    tier: SecondaryTier
+    keys: tuple[bytes, ...]
+    io: Coroutine[Any, Any, Any]
+    slots: tuple[int, ...] = ()
+    buffers: tuple[memoryview, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    req_context: object = None
+    retried: bool = False  # a FULL retry: holds the rows of the job it retries, never retries
+    future: concurrent.futures.Future[Any] | None = None  # set by the manager on submission
+    seq: int = 0  # submission order (set by the manager): results apply in this order
+    epoch: int = 0  # the manager's step when submitted (set by the manager)
+    started_s: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self.future is None:
+            raise TieringError(f"{self.kind} job of tier {self.tier.name!r} was never submitted")
+        return asyncio.wrap_future(self.future).__await__()
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What finishing a store job asks of the manager.
+
+    ``stored``: keys the backend acknowledged (stored events). ``settled``: ``(key, slot)`` of the
+    keys whose primary rows the job no longer needs. ``retry``: a job for the keys that found the
+    backend full, room made (submit it; it keeps their rows held), or None.
+    """
+
+    stored: list[bytes]
+    settled: list[tuple[bytes, int]]
+    retry: TierJob | None
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    """What finishing a promotion asks of the manager: ``loaded`` keys are in their primary slots
+    (complete the primary store), ``failed`` ones are not (drop them), ``removed`` ones the tier
+    forgot (gone or corrupt in the backend: removal events)."""
+
+    loaded: list[bytes]
+    failed: list[bytes]
+    removed: list[bytes]
 
 
 class SecondaryTier:
@@ -109,38 +214,74 @@ class SecondaryTier:
         self._policy: EvictionPolicy | None = None
         self._writing: set[bytes] = set()
         self._reading: dict[bytes, int] = {}
+        self._dirty: set[bytes] = set()  # write-back: in the primary, not written here yet
         self._quarantine: cachetools.TTLCache[bytes, bool] = cachetools.TTLCache(
             maxsize=quarantine_max_keys, ttl=quarantine_seconds, timer=time.monotonic
         )
+        self._rows: np.ndarray | None = None
         self.inflight_jobs = 0
         self.metrics = TierMetrics()
-        self.is_open = False
+        self.status = "opening"  # then "open", or "degraded" if opening failed
+        self.open_error: str | None = None
 
-    # -- lifecycle (the manager awaits open/close on its I/O loop) ------------------------------
+    # -- lifecycle --------------------------------------------------------------------------------
 
-    async def open(self) -> list[bytes]:
-        """Open the backend; return the keys it recovered (verified)."""
-        return await self.backend.open()
+    def attach(self, rows: np.ndarray) -> None:
+        """Give the tier the primary tier's rows (``(num_blocks, row_bytes)`` uint8) its jobs
+        move blocks between; a tier serves one manager."""
+        if self._rows is not None and self._rows is not rows:
+            raise ConfigurationError(f"tier {self.name!r} already serves another manager")
+        self._rows = rows
+
+    def start_open(self) -> TierJob:
+        """The job that opens the backend; :meth:`finish_open` takes its result."""
+        return TierJob("open", self, (), self.backend.open())
+
+    def finish_open(self, job: TierJob, result: object) -> None:
+        """Build the index from the recovered keys, or mark the tier degraded."""
+        if isinstance(result, BaseException):
+            self._degrade(result)
+            return
+        try:
+            self.adopt(result)  # type: ignore[arg-type]
+        except Exception as exc:  # a policy that cannot be built, a bad key list
+            self._degrade(exc)
 
     def adopt(self, recovered: Sequence[bytes]) -> None:
-        """Build the index from recovered keys (manager thread, after :meth:`open`)."""
+        """Build the index from recovered keys (manager thread, after opening)."""
         capacity = self.backend.capacity_blocks
         if isinstance(self._policy_spec, EvictionPolicy):
-            self._policy = self._policy_spec
+            policy = self._policy_spec
         else:
-            self._policy = make_policy(self._policy_spec, capacity)
+            policy = make_policy(self._policy_spec, capacity)
         for key in recovered:
-            if key not in self._policy:
-                self._policy.insert(key)
-        self.is_open = True
+            if key not in policy:
+                policy.insert(key)
+        self._policy = policy
+        self.status = "open"
 
-    async def close(self) -> None:
-        await self.backend.close()
+    def _degrade(self, exc: BaseException) -> None:
+        self.status = "degraded"
+        self.open_error = f"{type(exc).__name__}: {exc}"
+        self.metrics.open_failures += 1
+        logger.warning(
+            "tier %r failed to open and is degraded (it holds and takes nothing; the other "
+            "tiers go on serving): %s",
+            self.name,
+            self.open_error,
+        )
+
+    def start_close(self) -> TierJob:
+        return TierJob("close", self, (), self._close())
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == "open"
 
     @property
     def policy(self) -> EvictionPolicy:
         if self._policy is None:
-            raise ConfigurationError(f"tier {self.name!r} is not open yet")
+            raise ConfigurationError(f"tier {self.name!r} is not open ({self.status})")
         return self._policy
 
     @property
@@ -150,9 +291,24 @@ class SecondaryTier:
     def __len__(self) -> int:
         return 0 if self._policy is None else len(self._policy)
 
-    # -- metadata (manager thread only) --------------------------------------------------------
+    def config_info(self) -> ConfigInfo:
+        """Static facts of the tier (labels of an info metric)."""
+        policy = self._policy_spec
+        return {
+            "tier": self.name,
+            "medium": self.medium,
+            "backend": self.backend.name,
+            "write_policy": self.write_policy.value,
+            "policy": policy if isinstance(policy, str) else policy.name,
+            "capacity_blocks": self.backend.capacity_blocks,
+            "block_bytes": self.backend.block_bytes,
+            "max_inflight_jobs": self.max_inflight_jobs,
+        }
+
+    # -- metadata (manager thread only) -----------------------------------------------------------
 
     def state(self, key: bytes) -> TierKeyState:
+        """The key's state, without side effects."""
         if self._policy is None or key not in self._policy:
             return TierKeyState.ABSENT
         if key in self._writing:
@@ -160,6 +316,14 @@ class SecondaryTier:
         if key in self._quarantine:
             return TierKeyState.ABSENT
         return TierKeyState.READY
+
+    def count_lookup_hit(self) -> None:
+        """A lookup that missed the primary found a key READY here."""
+        self.metrics.lookup_hits += 1
+
+    def readable(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys a promotion could read now (READY)."""
+        return [k for k in keys if self.state(k) is TierKeyState.READY]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if self._policy is not None:
@@ -169,12 +333,94 @@ class SecondaryTier:
     def has_capacity_for_job(self) -> bool:
         return self.inflight_jobs < self.max_inflight_jobs
 
-    def reserve_write(
-        self, keys: Sequence[bytes], protected: Collection[bytes] = ()
-    ) -> tuple[list[bytes], list[bytes]] | None:
+    # -- stores -----------------------------------------------------------------------------------
+
+    def start_store(
+        self,
+        keys: Sequence[bytes],
+        slots: Mapping[bytes, int],
+        *,
+        lookup_counts: Mapping[bytes, int],
+        req_context: object = None,
+    ) -> TierJob | None:
+        """Take keys that just became ready in the primary (``slots[key]`` is the row of
+        each), by write policy.
+
+        Write-through writes them now; selective write-through those looked up at least
+        ``selective_min_lookups`` times (``lookup_counts``); write-back only notes them, to write
+        when the primary evicts them (:meth:`start_write_back`). Returns the job to run, or None
+        (nothing to write now, or shed over the job bound or for want of room: counted).
+        """
+        if self._policy is None:
+            return None
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            self._dirty.update(keys)
+            return None
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            wanted = self.selective_min_lookups
+            keys = [k for k in keys if lookup_counts.get(k, 0) >= wanted]
+            if not keys:
+                return None
+        return self._start_write("store", keys, slots, req_context)
+
+    def start_write_back(
+        self, slots: Mapping[bytes, int], *, req_context: object = None
+    ) -> TierJob | None:
+        """Write the keys the primary is evicting (``slots[key]``: the row each still has) that
+        this tier still owes; None if it owes none or the write is shed (counted)."""
+        if not self._dirty:
+            return None
+        owed = [k for k in slots if k in self._dirty]
+        if not owed:
+            return None
+        self._dirty.difference_update(owed)
+        return self._start_write("write_back", owed, slots, req_context)
+
+    def _start_write(
+        self, kind: str, keys: Sequence[bytes], slots: Mapping[bytes, int], req_context: object
+    ) -> TierJob | None:
+        """The one store job: shed over the bound, reserve room (evicting), build the write."""
+        if not self.has_capacity_for_job:
+            self.metrics.stores_shed += len(keys)
+            return None
+        reserved = self._reserve(keys)
+        if reserved is None:
+            self.metrics.stores_shed += len(keys)
+            return None
+        to_write, victims = reserved
+        if not to_write:
+            return None
+        self.metrics.store_jobs += 1
+        return self._write_job(kind, to_write, [slots[k] for k in to_write], victims, req_context)
+
+    def _write_job(
+        self,
+        kind: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        victims: Sequence[bytes],
+        req_context: object,
+        *,
+        retried: bool = False,
+    ) -> TierJob:
+        buffers = tuple(self._row(slot) for slot in slots)
+        self.inflight_jobs += 1
+        return TierJob(
+            kind,
+            self,
+            tuple(keys),
+            self._write(keys, buffers, victims),
+            slots=tuple(slots),
+            buffers=buffers,
+            removed=tuple(victims),
+            req_context=req_context,
+            retried=retried,
+        )
+
+    def _reserve(self, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]] | None:
         """Choose the keys to write (absent ones) and evict room for them.
 
-        Returns ``(keys_to_write, victims)``, with the keys marked WRITING and the victims already
+        Returns ``(keys_to_write, victims)``, the keys marked WRITING and the victims already
         gone from the index (the write job deletes them from the backend first), or None with
         nothing changed if the policy cannot free enough.
         """
@@ -187,7 +433,7 @@ class SecondaryTier:
         shortfall = len(policy) + len(to_write) - self.capacity_blocks
         victims: list[bytes] = []
         if shortfall > 0:
-            chosen = policy.evict(shortfall, protected=set(keys) | set(protected))
+            chosen = policy.evict(shortfall, protected=set(keys))
             if chosen is None:
                 return None
             victims = chosen
@@ -198,104 +444,181 @@ class SecondaryTier:
             self._quarantine.pop(key, None)
         return to_write, victims
 
-    def finish_write(self, keys: Sequence[bytes], outcomes: Sequence[Outcome]) -> list[bytes]:
-        """Publish the keys whose write succeeded; forget the others. Returns the published."""
+    def finish_store(self, job: TierJob, result: object) -> StoreResult:
+        """Publish what the backend acknowledged, forget what failed; keys that found the
+        backend FULL get one retry once the policy has evicted room for them."""
+        self.inflight_jobs -= 1
+        outcomes = self._outcomes(job, result, self.metrics.store_latency_s)
+        self.metrics.bytes_written += sum(
+            b.nbytes for b, o in zip(job.buffers, outcomes, strict=True) if o is OK
+        )
+        full = [i for i, o in enumerate(outcomes) if o is FULL]
+        settled = [i for i, o in enumerate(outcomes) if o is not FULL]
+        stored = self._publish([job.keys[i] for i in settled], [outcomes[i] for i in settled])
+        pairs = [(job.keys[i], job.slots[i]) for i in settled]
+        if not full:
+            return StoreResult(stored, pairs, None)
+        full_keys = [job.keys[i] for i in full]
+        victims = None if job.retried else self.policy.evict(len(full), protected=set(job.keys))
+        if victims is None:
+            self._publish(full_keys, [FAILED] * len(full))
+            return StoreResult(stored, pairs + [(job.keys[i], job.slots[i]) for i in full], None)
+        self.metrics.full_retries += 1
+        self.metrics.evictions += len(victims)
+        retry = self._write_job(
+            job.kind,
+            full_keys,
+            [job.slots[i] for i in full],
+            victims,
+            job.req_context,
+            retried=True,
+        )
+        return StoreResult(stored, pairs, retry)
+
+    def _publish(self, keys: Sequence[bytes], outcomes: Sequence[Outcome]) -> list[bytes]:
+        """Make the keys whose write succeeded READY; forget the others. Returns the READY."""
         published = []
+        policy = self.policy
         for key, outcome in zip(keys, outcomes, strict=True):
             self._writing.discard(key)
-            if outcome is Outcome.OK:
-                self.policy.set_evictable(key, key not in self._reading)
+            if outcome is OK:
+                policy.set_evictable(key, key not in self._reading)
                 published.append(key)
             else:
-                self.policy.remove(key)
+                policy.remove(key)
                 self.metrics.store_failures += 1
         self.metrics.stored_blocks += len(published)
         return published
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Keep ``keys`` (READY) from eviction while they are read."""
+    # -- promotions -------------------------------------------------------------------------------
+
+    def start_promotion(
+        self, keys: Sequence[bytes], slots: Sequence[int], *, req_context: object = None
+    ) -> TierJob:
+        """Read READY ``keys`` into the primary slots reserved for them; they stay pinned here
+        until :meth:`finish_promotion`."""
         for key in keys:
             count = self._reading.get(key, 0)
             if count == 0:
                 self.policy.set_evictable(key, False)
             self._reading[key] = count + 1
+        self.metrics.promotions += 1
+        self.inflight_jobs += 1
+        buffers = tuple(self._row(slot) for slot in slots)
+        return TierJob(
+            "promote",
+            self,
+            tuple(keys),
+            self._read(keys, buffers),
+            slots=tuple(slots),
+            buffers=buffers,
+            req_context=req_context,
+        )
 
-    def finish_read(self, keys: Sequence[bytes], outcomes: Sequence[Outcome]) -> list[bytes]:
-        """Unpin after a read; drop keys that are gone or corrupt, quarantine failures.
-
-        Returns the keys removed from the index (for removal events).
-        """
-        removed = []
-        for key, outcome in zip(keys, outcomes, strict=True):
+    def finish_promotion(self, job: TierJob, result: object) -> PromotionResult:
+        """Unpin after the read; drop keys that are gone or corrupt, quarantine other failures."""
+        self.inflight_jobs -= 1
+        outcomes = self._outcomes(job, result, self.metrics.load_latency_s)
+        loaded: list[bytes] = []
+        failed: list[bytes] = []
+        removed: list[bytes] = []
+        metrics = self.metrics
+        policy = self.policy
+        for key, buffer, outcome in zip(job.keys, job.buffers, outcomes, strict=True):
             count = self._reading.pop(key, 1) - 1
             if count:
                 self._reading[key] = count
-            if outcome is Outcome.OK:
-                if not count and key in self.policy:
-                    self.policy.set_evictable(key, True)
+            if outcome is OK:
+                loaded.append(key)
+                metrics.bytes_read += buffer.nbytes
+                if not count and key in policy:
+                    policy.set_evictable(key, True)
                 continue
-            self.metrics.promotion_failures += 1
+            failed.append(key)
+            metrics.promotion_failures += 1
             if outcome is Outcome.CORRUPT:
-                self.metrics.corrupt_blocks += 1
+                metrics.corrupt_blocks += 1
             if outcome in (Outcome.CORRUPT, Outcome.MISSING):
                 # The backend no longer holds it: forget it for good.
-                if key in self.policy and not count:
-                    self.policy.remove(key)
+                if key in policy and not count:
+                    policy.remove(key)
                     removed.append(key)
             else:
                 self._quarantine[key] = True
-                self.metrics.quarantined += 1
-        return removed
+                metrics.quarantined += 1
+        metrics.promoted_blocks += len(loaded)
+        return PromotionResult(loaded, failed, removed)
 
-    def forget(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.policy.remove(key)
-            self._writing.discard(key)
+    # -- reset --------------------------------------------------------------------------------
 
-    def clear(self) -> list[bytes]:
-        """Forget every key (the manager deletes them from the backend); returns them."""
-        keys = list(self.policy) if self._policy is not None else []
+    def start_clear(self) -> TierJob | None:
+        """Forget every key; the job deletes them from the backend (None if there are none)."""
+        keys = list(self._policy) if self._policy is not None else []
         if self._policy is not None:
             self._policy.clear()
         self._writing.clear()
         self._reading.clear()
+        self._dirty.clear()
         self._quarantine.clear()
-        return keys
+        if not keys:
+            return None
+        return TierJob("delete", self, tuple(keys), self._delete(keys), removed=tuple(keys))
 
-    # -- I/O (I/O loop only) --------------------------------------------------------------------
+    # -- helpers ----------------------------------------------------------------------------------
 
-    async def write(
-        self, keys: Sequence[bytes], buffers: Sequence[memoryview], victims: Sequence[bytes]
-    ) -> list[Outcome]:
-        """Delete ``victims`` from the backend, then write ``keys``; never raises."""
+    def _row(self, slot: int) -> memoryview:
+        if self._rows is None:
+            raise TieringError(f"tier {self.name!r} is not attached to a manager's rows")
+        return memoryview(self._rows[slot])
+
+    @staticmethod
+    def _outcomes(job: TierJob, result: object, latencies: list[float]) -> list[Outcome]:
+        if isinstance(result, IOResult):
+            latencies.append(result.elapsed_s)
+            return result.outcomes
+        return [FAILED] * len(job.keys)  # the job itself failed (it should not, but be safe)
+
+    # -- I/O (I/O loop only; every failure becomes an outcome, nothing escapes) -------------------
+
+    async def _write(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview], victims: Collection[bytes]
+    ) -> IOResult:
+        """Delete ``victims`` from the backend, then write ``keys``."""
         start = time.perf_counter()
         try:
             if victims:
                 await self.backend.delete(list(victims))
-            outcomes = await self.backend.put(list(keys), list(buffers)) if keys else []
-        except Exception:  # a broken backend fails the job, never the manager
-            outcomes = [Outcome.FAILED] * len(keys)
-        self.metrics.store_latency_s.append(time.perf_counter() - start)
-        self.metrics.bytes_written += sum(
-            b.nbytes for b, o in zip(buffers, outcomes, strict=True) if o is Outcome.OK
-        )
-        return outcomes
+            outcomes = await self.backend.put(list(keys), list(buffers))
+            if len(outcomes) != len(keys):
+                outcomes = [FAILED] * len(keys)  # a backend breaking its contract fails the job
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # whatever a backend raises fails the job, never the I/O thread
+            logger.debug("tier %r: write of %d blocks failed", self.name, len(keys), exc_info=True)
+            outcomes = [FAILED] * len(keys)
+        return IOResult(outcomes, time.perf_counter() - start)
 
-    async def read(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Outcome]:
-        """Read ``keys`` into ``buffers``; never raises."""
+    async def _read(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> IOResult:
+        """Read ``keys`` into ``buffers``."""
         start = time.perf_counter()
         try:
             outcomes = await self.backend.get(list(keys), list(buffers))
-        except Exception:
-            outcomes = [Outcome.FAILED] * len(keys)
-        self.metrics.load_latency_s.append(time.perf_counter() - start)
-        self.metrics.bytes_read += sum(
-            b.nbytes for b, o in zip(buffers, outcomes, strict=True) if o is Outcome.OK
-        )
-        return outcomes
+            if len(outcomes) != len(keys):
+                outcomes = [FAILED] * len(keys)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            logger.debug("tier %r: read of %d blocks failed", self.name, len(keys), exc_info=True)
+            outcomes = [FAILED] * len(keys)
+        return IOResult(outcomes, time.perf_counter() - start)
 
-    async def delete(self, keys: Sequence[bytes]) -> None:
+    async def _delete(self, keys: Sequence[bytes]) -> None:
         try:
             await self.backend.delete(list(keys))
-        except Exception:  # best effort: the index has already forgotten them
-            pass
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # best effort: the index has already forgotten them
+            logger.debug("tier %r: delete failed", self.name, exc_info=True)
+
+    async def _close(self) -> None:
+        await self.backend.close()

@@ -1,21 +1,35 @@
 """The tiering manager: the CPU primary tier composed with secondary tiers.
 
-It speaks the same scheduler-side protocol as :class:`~tiering.manager.CPUOffloadingManager`
-(lookup, prepare/complete load and store, touch, events) and adds what tiers need:
+It implements :class:`tiering.protocol.OffloadingManager` (whose docstring is the contract) over
+a :class:`~tiering.manager.CPUOffloadingManager` and adds what tiers need:
 
 - a lookup asks the primary, then each secondary tier in order (from their in-memory indexes);
-  a key found only in a secondary tier starts a *promotion* into a primary slot and answers None
-  ("retry later"). A key is never promoted twice at once; promotions are batched per request;
-- completed stores cascade to each tier by its write policy; a primary block pinned for a tier's
+  a key found only in a secondary tier starts a *promotion* into a primary slot and answers
+  ``RETRY``. A key is never promoted twice at once; promotions are batched per request;
+- completed stores cascade to each tier by its write policy; a primary block held for a tier's
   write is released when *that* tier finishes;
 - back-pressure: each tier bounds its jobs in flight; over the bound, stores are shed (and
   counted) while promotions wait their turn;
 - a failed or corrupt promotion is a miss, counted, and quarantined, never retried in a loop.
 
+The tiers own their jobs (:mod:`tiering.tier`): a tier decides what to write or read, reserves
+room, counts, and builds the I/O; this manager only holds the primary rows a job uses, submits
+the job, emits its events, and hands its result back to the tier.
+
 Threads. Every protocol call runs on the caller's thread and never blocks on I/O: jobs run on a
-private I/O loop thread (:class:`~tiering.io_loop.IOLoop`), and their results are applied on the
-caller's thread at the start of the next call. All metadata is therefore touched by one thread,
-so no locks sit on the hot path. Call the manager from one thread (or one event loop) at a time.
+private I/O loop thread (:class:`~tiering.io_loop.IOLoop`); a finished job only enqueues its
+result, which is applied on the caller's thread. All metadata is therefore touched by one
+thread, so no locks sit on the hot path. Call the manager from one thread (or one event loop)
+at a time.
+
+When results apply. Standalone (``step_driven=False``, the default): at the start of each
+protocol call, and a request's promotion batch is submitted when another request calls, when one
+of its keys is asked for again, or at :meth:`take_events`, :meth:`on_schedule_end`,
+:meth:`drain`, :meth:`wait_idle`. Step-driven (``step_driven=True``, what an engine adapter
+sets): only at :meth:`on_schedule_end`, :meth:`drain`, :meth:`wait_idle` (and
+:meth:`reset_cache`, :meth:`shutdown`), where every request's promotion batch of the step is
+submitted too. Between two step boundaries nothing the I/O thread does changes an answer, so a
+given sequence of calls gives the same answers on every run once each step's I/O is done.
 
 Asyncio users drive the same machinery with ``async with``, :meth:`drain` and
 :meth:`lookup_async`; blocking helpers (:meth:`wait_idle`, :meth:`reset_cache`,
@@ -25,60 +39,73 @@ Asyncio users drive the same machinery with ``async with``, :meth:`drain` and
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import queue
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, cast
 
 import cachetools
 import torch
 
-from tiering.backends.base import Outcome
 from tiering.errors import ConfigurationError, TieringError
 from tiering.groups import KVCacheSpec
 from tiering.io_loop import IOLoop
-from tiering.keys import OffloadKey, check_keys
-from tiering.lookup import KeyState, find_hybrid_hit
+from tiering.keys import OffloadKey, check_key, check_keys
+from tiering.lookup import KeyState, check_hybrid_args, find_hybrid_hit
 from tiering.manager import CPUOffloadingManager
-from tiering.specs import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
-from tiering.tier import SecondaryTier, TierKeyState, WritePolicy
+from tiering.protocol import (
+    AS_BOOL,
+    HIT,
+    HIT_PENDING,
+    MISS,
+    RETRY,
+    ConfigInfo,
+    LoadStoreSpec,
+    LookupResult,
+    ManagerStats,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    check_success,
+    reject_positional,
+    request_key,
+)
+from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
 
-__all__ = ["Job", "TieringOffloadingManager"]
+__all__ = ["TieringOffloadingManager"]
+
+ABSENT = TierKeyState.ABSENT
 
 
 class _HasRows(Protocol):
     def rows_view(self) -> torch.Tensor: ...
 
 
-@dataclass(eq=False)  # identity: jobs live in a set
-class Job:
-    """One batch of I/O between the primary pool and a tier. Await it with ``await job``."""
-
-    kind: str  # "promote", "store", "write_back", "open", "delete"
-    tier: str
-    tier_index: int
-    keys: tuple[bytes, ...]
-    future: concurrent.futures.Future[Any]
-    started_s: float = field(default_factory=time.perf_counter)
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def __await__(self) -> Any:
-        return asyncio.wrap_future(self.future).__await__()
+#: A finished job as the I/O thread queues it: what applies its result, the job, the result.
+_Finished = tuple[Callable[[TierJob, Any], None], TierJob, object]
 
 
-class TieringOffloadingManager:
+@dataclass
+class _PromotionBatch:
+    """Keys one request found in secondary tiers, per tier index, not submitted yet."""
+
+    req_context: object
+    by_tier: dict[int, list[bytes]] = field(default_factory=dict)
+
+
+class TieringOffloadingManager(OffloadingManager):
     """A CPU primary tier plus ordered secondary tiers, behind the manager protocol.
 
     ``pool`` holds the primary tier's bytes: a ``(num_blocks, row_bytes)`` uint8 tensor, or an
     object with ``rows_view()`` returning one (a :class:`~tiering.pool.CPUBlockPool`). Row ``i``
     is slot ``i`` of ``primary``, every rank's part of one offloaded block, and each tier's
     backend must store blocks of ``row_bytes``. Tiers open on the I/O loop as the manager starts;
-    until a tier is open its lookups answer "absent" (call :meth:`wait_ready` to wait).
+    until a tier is open its lookups answer "absent" (call :meth:`wait_ready` to wait); a tier
+    that fails to open is degraded and the others go on serving. ``store_threshold`` is the
+    primary's (``CPUOffloadingManager(..., store_threshold=N)``); promotions are not offers.
+    ``step_driven`` chooses when background results apply (see the module docstring).
     """
 
     def __init__(
@@ -89,7 +116,12 @@ class TieringOffloadingManager:
         pool: torch.Tensor | _HasRows,
         enable_events: bool | None = None,
         lookup_counter_size: int = 65536,
+        step_driven: bool = False,
     ) -> None:
+        if not isinstance(primary, CPUOffloadingManager):
+            raise ConfigurationError(
+                f"primary must be a CPUOffloadingManager, got {type(primary).__name__}"
+            )
         rows = pool if isinstance(pool, torch.Tensor) else pool.rows_view()
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.device.type != "cpu":
             raise ConfigurationError(
@@ -105,88 +137,134 @@ class TieringOffloadingManager:
         if len(set(names)) != len(names):
             raise ConfigurationError(f"tier names must be unique, got {names}")
         for tier in secondary_tiers:
+            if tier.medium == primary.medium:
+                raise ConfigurationError(
+                    f"tier name {tier.name!r} would report as the primary's medium "
+                    f"{primary.medium!r}; name the tier otherwise"
+                )
             if tier.backend.block_bytes != rows.shape[1]:
                 raise ConfigurationError(
                     f"tier {tier.name!r} stores blocks of {tier.backend.block_bytes} bytes but a "
                     f"pool row is {rows.shape[1]} bytes; build the backend with "
                     f"block_bytes={rows.shape[1]}"
                 )
+        if type(step_driven) is not bool:
+            raise ConfigurationError(f"step_driven must be a bool, got {step_driven!r}")
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(secondary_tiers)
         self.enable_events = primary.enable_events if enable_events is None else enable_events
+        self.step_driven = step_driven
         primary.enable_events = True  # the manager forwards (or drops) the primary's events
         self._rows = rows.numpy()
         self.row_bytes = int(rows.shape[1])
+        for tier in self.tiers:
+            tier.attach(self._rows)
         self._io = IOLoop()
-        self._finished: queue.SimpleQueue[tuple[Callable[[Any], None], Job]] = queue.SimpleQueue()
-        self._jobs: set[Job] = set()
+        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
+        self._jobs: set[TierJob] = set()  # submitted, results not applied yet
+        self._done: list[_Finished] = []  # finished, not applied yet
+        self._results_queued = False  # set by the I/O thread: the queue may hold results
+        self._next_seq = 0
+        self._epoch = 0  # step-driven: on_schedule_end calls so far
         self._events: list[OffloadingEvent] = []
-        self._promoting: dict[bytes, int] = {}  # key -> tier index
-        self._batch_request: object = None
-        self._batch: dict[int, list[bytes]] = {}  # tier index -> keys, one request at a time
-        self._waiting_promotions: dict[int, list[bytes]] = {}
+        self._promoting: dict[bytes, int] = {}  # key -> tier index: waiting or in flight
+        self._batches: dict[Hashable, _PromotionBatch] = {}  # by request key, not submitted
+        self._batched: dict[bytes, Hashable] = {}  # key -> the request whose batch holds it
+        self._waiting: dict[int, list[tuple[object, list[bytes]]]] = {}  # for a job slot
+        self._counts_lookups = any(
+            t.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE for t in self.tiers
+        )
         self._lookup_counts: cachetools.LRUCache[bytes, int] = cachetools.LRUCache(
             lookup_counter_size
         )
-        self._dirty: dict[bytes, set[int]] = {}  # write-back tiers that still need a key
         self._draining: dict[int, int] = {}  # primary slot -> write-back jobs still copying it
         self.promotions_without_space = 0
+        self._stats_seen: ManagerStats = {}
         self._closed = False
-        if any(t.write_policy is WritePolicy.WRITE_BACK for t in self.tiers):
+        self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
+        if self._write_back_tiers:
             primary.set_eviction_hook(self._on_primary_evict)
-        for index, tier in enumerate(self.tiers):
-            self._submit("open", index, (), tier.open(), self._opened(index))
+        self._epoch = -1  # the tiers open before the first step: its boundary applies them
+        for tier in self.tiers:
+            self._submit(tier.start_open(), tier.finish_open)
+        self._epoch = 0
+
+    @property
+    def store_threshold(self) -> int:  # type: ignore[override]
+        return self.primary.store_threshold
 
     # -- job plumbing ----------------------------------------------------------------------------
 
-    def _submit(
-        self,
-        kind: str,
-        tier_index: int,
-        keys: Sequence[bytes],
-        coro: Any,
-        on_done: Callable[[Any], None],
-    ) -> Job:
-        future = self._io.submit(coro)
-        job = Job(kind, self.tiers[tier_index].name, tier_index, tuple(keys), future)
+    def _submit(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
+        job.seq = self._next_seq
+        job.epoch = self._epoch
+        self._next_seq += 1
+        job.future = self._io.submit(self._run_job(job, on_done))
         self._jobs.add(job)
-        if kind in ("promote", "store", "write_back"):
-            self.tiers[tier_index].inflight_jobs += 1
-        future.add_done_callback(lambda _f: self._finished.put((on_done, job)))
-        return job
 
-    def _process_finished(self) -> None:
-        """Apply the results of finished jobs, on the caller's thread."""
-        finished = self._finished
+    async def _run_job(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
+        """Run ``job.io`` on the I/O loop and queue its result before the job's future completes
+        (so a caller that sees the future done finds the result queued)."""
+        try:
+            result: object = await job.io
+        except BaseException as exc:  # the tiers return their failures; queue anything else too
+            self._finished.put((on_done, job, exc))
+            self._results_queued = True
+            raise
+        self._finished.put((on_done, job, result))
+        self._results_queued = True  # after the put: the caller clears it before draining
+
+    def _collect(self, block_until_all: float | None = None) -> None:
+        """Move finished jobs from the I/O thread's queue to ``_done``. With
+        ``block_until_all`` (a deadline, or ``inf``), wait until every job in flight is there."""
+        finished, done = self._finished, self._done
+        self._results_queued = False  # before draining: a result queued later sets it again
         while not finished.empty():  # cheap when idle: no exception per protocol call
-            on_done, job = finished.get_nowait()
-            self._jobs.discard(job)
-            if job.kind in ("promote", "store", "write_back"):
-                self.tiers[job.tier_index].inflight_jobs -= 1
+            done.append(finished.get_nowait())
+        if block_until_all is None:
+            return
+        while len(done) < len(self._jobs):
+            remaining = block_until_all - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(self._jobs) - len(done)} tiering job(s) still in flight")
             try:
-                result = job.future.result()
-            except BaseException as exc:  # the coroutines never raise; be safe anyway
-                result = exc
-            on_done(result)
-        if self._waiting_promotions:
-            # Promotions that waited for a free job slot go now.
-            for index in list(self._waiting_promotions):
-                if self.tiers[index].has_capacity_for_job:
-                    self._start_promotion(index, self._waiting_promotions.pop(index))
+                done.append(finished.get(timeout=min(remaining, 3600.0)))
+            except queue.Empty:
+                continue
 
-    def _begin_call(self, request: object = None) -> None:
+    def _process_finished(self, before_epoch: int | None = None) -> None:
+        """Apply the results of finished jobs on the caller's thread, in submission order; with
+        ``before_epoch``, only those of jobs submitted before that step."""
+        self._collect()
+        if self._done:
+            if before_epoch is None:
+                ready, self._done = self._done, []
+            else:
+                ready = [d for d in self._done if d[1].epoch < before_epoch]
+                self._done = [d for d in self._done if d[1].epoch >= before_epoch]
+            ready.sort(key=lambda item: item[1].seq)
+            for on_done, job, result in ready:
+                self._jobs.discard(job)
+                on_done(job, result)
+        if self._waiting:
+            self._start_waiting_promotions()
+
+    def _begin_call(self, req_context: object) -> None:
+        """Standalone mode: apply finished results, and submit the promotion batch of another
+        request. Step-driven mode: nothing (results apply at step boundaries)."""
         if self._closed:
             raise TieringError("the manager is shut down")
-        self._process_finished()
-        if self._batch and request is not self._batch_request:
+        if self.step_driven:
+            return
+        other_request = request_key(req_context) not in self._batches if self._batches else False
+        if self._results_queued or self._done or self._waiting:
+            self._process_finished()
+        if other_request:
             self._flush_promotions()
 
     def _check_open(self) -> None:
         if self._closed:
             raise TieringError("the manager is shut down")
-
-    def _row(self, slot: int) -> memoryview:
-        return memoryview(self._rows[slot])
 
     def _pull_primary_events(self) -> None:
         events = self.primary.take_events()
@@ -196,48 +274,84 @@ class TieringOffloadingManager:
     def _emit(self, tier: SecondaryTier, keys: Sequence[bytes], removed: bool) -> None:
         if self.enable_events and keys:
             self._events.append(
-                OffloadingEvent(tuple(OffloadKey(k) for k in keys), tier.medium, removed)
+                OffloadingEvent(
+                    tuple(OffloadKey(k) for k in keys), tier.medium, removed, owner=tier.name
+                )
             )
-
-    def _opened(self, index: int) -> Callable[[Any], None]:
-        def apply(result: Any) -> None:
-            tier = self.tiers[index]
-            if isinstance(result, BaseException):
-                raise TieringError(f"tier {tier.name!r} failed to open: {result}") from result
-            tier.adopt(result)
-
-        return apply
 
     # -- lookups ---------------------------------------------------------------------------------
 
+    def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
+        """HIT if ready in the primary; HIT_PENDING while written (into the primary, or into a
+        tier below it); RETRY while promoted from a secondary tier (a promotion this call may
+        start or queue); MISS if in no tier."""
+        if type(key) is not bytes:
+            check_key(key)
+        if (
+            self._closed
+            or not self.step_driven
+            and (self._batches or self._results_queued or self._done or self._waiting)
+        ):
+            self._begin_call(req_context)
+        answer = self.primary.lookup_result(key)
+        if answer is HIT:
+            return HIT
+        if answer is HIT_PENDING:
+            return RETRY if key in self._promoting else HIT_PENDING
+        return self._lookup_below(key, req_context)
+
     def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
-        """True if ready in the primary, False if in no tier, None to retry later (being written,
-        or being promoted from a secondary tier, a promotion this call may start)."""
-        self._begin_call(req_context)
+        """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
+        if type(key) is not bytes:
+            check_key(key)
+        if (
+            self._closed
+            or not self.step_driven
+            and (self._batches or self._results_queued or self._done or self._waiting)
+        ):
+            self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
         answer = self.primary.lookup(key)
         if answer is not False:
             return answer
+        return AS_BOOL[self._lookup_below(key, req_context)]
+
+    def _lookup_below(self, key: bytes, req_context: object) -> LookupResult:
+        """The answer for a key the primary does not hold."""
         if key in self._promoting:
-            return None
-        self._count_lookup(key)
+            return RETRY
+        if not self.tiers:
+            return MISS
         state, index = self._tier_state(key)
         if state is TierKeyState.READY:
-            if key in self._batch.get(index, ()):
-                self._flush_promotions()  # asked again: stop batching, start it now
-                return None
-            self._batch_request = req_context
-            self._batch.setdefault(index, []).append(key)
-            return None
-        return None if state is TierKeyState.WRITING else False
+            owner = request_key(req_context)  # checked before anything is counted
+            self.tiers[index].count_lookup_hit()
+            if self._counts_lookups:
+                self._count_lookup(key)
+            if key in self._batched:
+                if not self.step_driven:
+                    self._flush_promotions()  # asked again: stop batching, start it now
+                return RETRY
+            self._batch_promotion(key, index, req_context, owner)
+            return RETRY
+        if self._counts_lookups:
+            self._count_lookup(key)
+        return HIT_PENDING if state is TierKeyState.WRITING else MISS
 
-    def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: object = None) -> int | None:
+    def lookup_prefix(
+        self, keys: Iterable[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> int | None:
         """The number of leading keys ready in the primary; None if the prefix goes on in a
         secondary tier (its keys are being promoted) or in a block being written."""
-        self._begin_call(req_context)
+        if misplaced:
+            reject_positional("lookup_prefix", misplaced, "req_context")
         key_list = check_keys(keys)
+        if self.tiers:
+            request_key(req_context)
+        self._begin_call(req_context)
         count = 0
+        lookup = self.primary.lookup
         for key in key_list:
-            if self.primary.lookup(key) is not True:
+            if lookup(key) is not True:
                 break
             count += 1
         promotable: dict[bytes, int] = {}
@@ -246,36 +360,46 @@ class TieringOffloadingManager:
             if self._state_for_lookup(key, promotable) is KeyState.ABSENT:
                 break
             pending = True
-        to_promote: dict[int, list[bytes]] = {}
-        for promotable_key, index in promotable.items():
-            to_promote.setdefault(index, []).append(promotable_key)
-        self._start_promotions(to_promote)
+        self._promote(promotable, req_context)
         return None if pending else count
 
     def lookup_request(
         self,
         spec: KVCacheSpec,
-        keys_per_group: Sequence[Sequence[bytes]],
+        keys_per_group: Sequence[Sequence[OffloadKey]],
         num_prompt_tokens: int,
+        *misplaced: object,
         req_context: object = None,
+        engine_recomputes_last_token: bool = False,
     ) -> int | None:
         """Hybrid lookup across KV-cache groups (see :mod:`tiering.lookup`): the number of
         tokens loadable from the primary, or None while needed blocks are written or promoted.
 
         Groups may be split across tiers: a block only in a secondary tier counts as pending and
-        its promotion starts, so the next call finds it in the primary."""
+        its promotion starts, so a later call finds it in the primary. With
+        ``engine_recomputes_last_token`` a full-attention-only hit may cover the whole prompt."""
+        if misplaced:
+            reject_positional("lookup_request", misplaced, "req_context")
+        check_hybrid_args(spec, keys_per_group, num_prompt_tokens, engine_recomputes_last_token)
+        for group_keys in keys_per_group:
+            check_keys(group_keys)
+        if self.tiers:
+            request_key(req_context)
         self._begin_call(req_context)
         promotable: dict[bytes, int] = {}
 
         def state_of(key: bytes) -> KeyState:
             return self._state_for_lookup(key, promotable)
 
-        hit = find_hybrid_hit(spec, keys_per_group, state_of, num_prompt_tokens)
-        to_promote: dict[int, list[bytes]] = {}
-        for key in hit.pending_keys:  # only the blocks this hit needs are promoted
-            if key in promotable:
-                to_promote.setdefault(promotable[key], []).append(key)
-        self._start_promotions(to_promote)
+        hit = find_hybrid_hit(
+            spec,
+            keys_per_group,
+            state_of,
+            num_prompt_tokens,
+            engine_recomputes_last_token=engine_recomputes_last_token,
+        )
+        # Only the blocks this hit needs are promoted.
+        self._promote({k: promotable[k] for k in hit.pending_keys if k in promotable}, req_context)
         return hit.answer
 
     def _state_for_lookup(self, key: bytes, promotable: dict[bytes, int]) -> KeyState:
@@ -285,17 +409,20 @@ class TieringOffloadingManager:
             return KeyState.READY
         if answer is None or key in self._promoting:
             return KeyState.PENDING
-        self._count_lookup(key)
+        if self._counts_lookups:
+            self._count_lookup(key)
         state, index = self._tier_state(key)
         if state is TierKeyState.ABSENT:
             return KeyState.ABSENT
         if state is TierKeyState.READY:
+            self.tiers[index].count_lookup_hit()
             promotable[key] = index
         return KeyState.PENDING
 
     def locate(self, key: OffloadKey) -> str | None:
         """Where ``key`` is stored and ready, without side effects: "CPU", a tier's medium, or
-        None. For reports and tools; the protocol uses :meth:`lookup`."""
+        None. A tier that is still opening or is degraded holds nothing. For reports and tools;
+        the protocol uses :meth:`lookup_result`."""
         if self.primary.lookup(key) is True:
             return self.primary.medium
         for tier in self.tiers:
@@ -304,101 +431,144 @@ class TieringOffloadingManager:
         return None
 
     def _tier_state(self, key: bytes) -> tuple[TierKeyState, int]:
+        """The first tier that knows ``key``, without side effects."""
         for index, tier in enumerate(self.tiers):
             state = tier.state(key)
-            if state is not TierKeyState.ABSENT:
-                if state is TierKeyState.READY:
-                    tier.metrics.lookup_hits += 1
+            if state is not ABSENT:
                 return state, index
-        return TierKeyState.ABSENT, -1
+        return ABSENT, -1
 
     def _count_lookup(self, key: bytes) -> None:
         self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
 
     # -- promotions ------------------------------------------------------------------------------
 
-    def _flush_promotions(self) -> None:
-        batch, self._batch = self._batch, {}
-        self._batch_request = None
-        self._start_promotions(batch)
+    def _batch_promotion(
+        self, key: bytes, index: int, req_context: object, owner: Hashable
+    ) -> None:
+        batch = self._batches.get(owner)
+        if batch is None:
+            batch = self._batches[owner] = _PromotionBatch(req_context)
+        batch.by_tier.setdefault(index, []).append(key)
+        self._batched[key] = owner
 
-    def _start_promotions(self, by_tier: dict[int, list[bytes]]) -> None:
+    def _promote(self, promotable: dict[bytes, int], req_context: object) -> None:
+        """Promote keys a prefix or hybrid lookup needs: now (standalone) or with the request's
+        batch at the step's end (step-driven)."""
+        if not promotable:
+            return
+        if not self.step_driven:
+            by_tier: dict[int, list[bytes]] = {}
+            for key, index in promotable.items():
+                by_tier.setdefault(index, []).append(key)
+            self._start_promotions(by_tier, req_context)
+            return
+        owner = request_key(req_context)
+        for key, index in promotable.items():
+            if key not in self._batched:
+                self._batch_promotion(key, index, req_context, owner)
+
+    def _flush_promotions(self) -> None:
+        """Submit every request's promotion batch, one job per request and tier."""
+        if not self._batches:
+            return
+        batches, self._batches = self._batches, {}
+        self._batched.clear()
+        for batch in batches.values():
+            self._start_promotions(batch.by_tier, batch.req_context)
+
+    def _start_promotions(self, by_tier: dict[int, list[bytes]], req_context: object) -> None:
         for index, keys in by_tier.items():
             keys = [k for k in dict.fromkeys(keys) if k not in self._promoting]
             if not keys:
                 continue
             if not self.tiers[index].has_capacity_for_job:
-                # Loads wait for a free job slot (stores are shed instead).
-                waiting = self._waiting_promotions.setdefault(index, [])
-                waiting.extend(k for k in keys if k not in waiting)
-                for key in keys:
-                    self._promoting[key] = index
+                self._wait_for_job_slot(index, keys, req_context)  # loads wait; stores are shed
                 continue
-            self._start_promotion(index, keys)
+            self._start_promotion(index, keys, req_context)
 
-    def _start_promotion(self, index: int, keys: list[bytes]) -> None:
+    def _wait_for_job_slot(self, index: int, keys: list[bytes], req_context: object) -> None:
+        self._waiting.setdefault(index, []).append((req_context, keys))
+        for key in keys:
+            self._promoting[key] = index
+
+    def _start_waiting_promotions(self) -> None:
+        for index in list(self._waiting):
+            tier = self.tiers[index]
+            if not tier.has_capacity_for_job:
+                continue
+            entries = self._waiting.pop(index)  # a promotion may queue itself again meanwhile
+            for n, (req_context, keys) in enumerate(entries):
+                if not tier.has_capacity_for_job:
+                    self._waiting[index] = entries[n:] + self._waiting.get(index, [])
+                    break
+                self._start_promotion(index, keys, req_context)
+
+    def _start_promotion(self, index: int, keys: list[bytes], req_context: object) -> None:
         tier = self.tiers[index]
         for key in keys:
             self._promoting.pop(key, None)
-        keys = [k for k in keys if tier.state(k) is TierKeyState.READY and k not in self.primary]
+        primary = self.primary
+        keys = [k for k in tier.readable(keys) if k not in primary]
         if not keys:
             return
-        out = self.primary.prepare_store([OffloadKey(k) for k in keys])
+        out = primary.reserve_for_promotion(cast("list[OffloadKey]", keys), req_context)
         self._pull_primary_events()
         if out is None:
             if self._draining:
                 # Write-backs are freeing slots: try again when one finishes.
-                for key in keys:
-                    self._promoting[key] = index
-                self._waiting_promotions.setdefault(index, []).extend(keys)
+                self._wait_for_job_slot(index, keys, req_context)
                 return
-            # No room in the primary now: the lookup answers a miss, not a retry loop.
+            # No room in the primary now: counted; a later lookup asks again.
             self.promotions_without_space += len(keys)
             return
-        keys = list(out.keys_to_store)
-        slots = out.store_spec.block_ids.tolist()
-        tier.pin(keys)
-        for key in keys:
+        job = tier.start_promotion(
+            out.keys_to_store, out.store_spec.block_ids.tolist(), req_context=req_context
+        )
+        for key in job.keys:
             self._promoting[key] = index
-        tier.metrics.promotions += 1
-        buffers = [self._row(slot) for slot in slots]
+        self._submit(job, self._promotion_done)
 
-        def done(outcomes: Any) -> None:
-            if isinstance(outcomes, BaseException):
-                outcomes = [Outcome.FAILED] * len(keys)
-            ok = [OffloadKey(k) for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
-            bad = [
-                OffloadKey(k) for k, o in zip(keys, outcomes, strict=True) if o is not Outcome.OK
-            ]
-            for key in keys:
-                self._promoting.pop(key, None)
-            if ok:
-                self.primary.complete_store(ok, success=True)
-                tier.metrics.promoted_blocks += len(ok)
-            if bad:
-                self.primary.complete_store(bad, success=False)
-            self._pull_primary_events()
-            self._emit(tier, tier.finish_read(keys, outcomes), removed=True)
-
-        self._submit("promote", index, keys, tier.read(keys, buffers), done)
+    def _promotion_done(self, job: TierJob, result: object) -> None:
+        outcome = job.tier.finish_promotion(job, result)
+        for key in job.keys:
+            self._promoting.pop(key, None)
+        if outcome.loaded:
+            self.primary.complete_store(cast("list[OffloadKey]", outcome.loaded))
+        if outcome.failed:
+            self.primary.complete_store(cast("list[OffloadKey]", outcome.failed), success=False)
+        self._pull_primary_events()
+        self._emit(job.tier, outcome.removed, removed=True)
 
     # -- loads -----------------------------------------------------------------------------------
 
     def prepare_load(
-        self, keys: Collection[OffloadKey], req_context: object = None
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> LoadStoreSpec:
         """Pin primary-ready keys for a load; see :meth:`CPUOffloadingManager.prepare_load`."""
-        self._begin_call(req_context)
-        return self.primary.prepare_load(keys)
-
-    def complete_load(self, keys: Collection[OffloadKey], req_context: object = None) -> None:
-        self._begin_call(req_context)
-        self.primary.complete_load(keys)
-
-    def touch(self, keys: Collection[OffloadKey], req_context: object = None) -> None:
-        """Most recent use in every tier; the first key ends most recent."""
-        self._begin_call(req_context)
+        if misplaced:
+            reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
+        self._begin_call(req_context)
+        return self.primary.prepare_load(key_list)
+
+    def complete_load(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        if misplaced:
+            reject_positional("complete_load", misplaced, "req_context")
+        key_list = check_keys(keys)
+        self._begin_call(req_context)
+        self.primary.complete_load(key_list)
+
+    def touch(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        """Most recent use in every tier; the first key ends most recent."""
+        if misplaced:
+            reject_positional("touch", misplaced, "req_context")
+        key_list = check_keys(keys)
+        self._begin_call(req_context)
         self.primary.touch(key_list)
         for tier in self.tiers:
             tier.touch(key_list)
@@ -406,165 +576,91 @@ class TieringOffloadingManager:
     # -- stores ----------------------------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: object = None
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> PrepareStoreOutput | None:
         """Reserve primary slots; see :meth:`CPUOffloadingManager.prepare_store`. With a
         write-back tier, evicting dirty blocks starts their write-back and may answer None until
         it is done."""
+        if misplaced:
+            reject_positional("prepare_store", misplaced, "req_context")
+        key_list = check_keys(keys)
         self._begin_call(req_context)
-        out = self.primary.prepare_store(keys)
+        out = self.primary.prepare_store(key_list, req_context=req_context)
         self._pull_primary_events()
         return out
 
     def complete_store(
-        self, keys: Collection[OffloadKey], success: bool = True, req_context: object = None
+        self,
+        keys: Collection[OffloadKey],
+        *misplaced: object,
+        success: bool = True,
+        req_context: object = None,
     ) -> None:
         """Finish a primary store, then cascade the new blocks to the tiers by write policy."""
-        self._begin_call(req_context)
+        if misplaced:
+            reject_positional("complete_store", misplaced, "success and req_context")
+        if success is not True and success is not False:
+            check_success(success)
         key_list = check_keys(keys)
-        fresh = [k for k in key_list if self.primary.lookup(k) is None]
-        self.primary.complete_store(key_list, success)
-        self._pull_primary_events()
-        if not success:
+        self._begin_call(req_context)
+        primary = self.primary
+        if not success or not self.tiers:
+            primary.complete_store(key_list, success=success)
+            self._pull_primary_events()
             return
-        ready = [k for k in fresh if self.primary.lookup(k) is True]
+        lookup = primary.lookup
+        fresh = [k for k in key_list if lookup(k) is None]
+        primary.complete_store(key_list)
+        self._pull_primary_events()
+        ready = [k for k in fresh if lookup(k) is True]
         if not ready:
             return
-        for index, tier in enumerate(self.tiers):
-            if not tier.is_open:
-                continue
-            if tier.write_policy is WritePolicy.WRITE_BACK:
-                for key in ready:
-                    self._dirty.setdefault(key, set()).add(index)
-                continue
-            chosen = ready
-            if tier.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-                chosen = [
-                    k for k in ready if self._lookup_counts.get(k, 0) >= tier.selective_min_lookups
-                ]
-            if chosen:
-                self._write_through(index, chosen)
-
-    def _write_through(self, index: int, keys: list[OffloadKey]) -> None:
-        tier = self.tiers[index]
-        if not tier.has_capacity_for_job:
-            tier.metrics.stores_shed += len(keys)
-            return
-        reserved = tier.reserve_write(keys)
-        if reserved is None:
-            tier.metrics.stores_shed += len(keys)
-            return
-        to_write, victims = reserved
-        self._emit(tier, victims, removed=True)
-        if not to_write:
-            if victims:
-                self._submit("delete", index, victims, tier.delete(victims), lambda _r: None)
-            return
-        # Pinned in the primary until this tier is done, and only for this tier.
-        spec = self.primary.prepare_load([OffloadKey(k) for k in to_write])
-        buffers = [self._row(slot) for slot in spec.block_ids.tolist()]
-
-        def done(outcomes: Any) -> None:
-            self.primary.complete_load([OffloadKey(k) for k in to_write])
-            self._finish_tier_write(index, to_write, buffers, outcomes, retry=True)
-
-        tier.metrics.store_jobs += 1
-        self._submit("store", index, to_write, tier.write(to_write, buffers, victims), done)
-
-    def _finish_tier_write(
-        self,
-        index: int,
-        keys: Sequence[bytes],
-        buffers: Sequence[memoryview],
-        outcomes: Any,
-        *,
-        retry: bool,
-        on_settled: Callable[[list[bytes]], None] | None = None,
-    ) -> None:
-        """Publish a tier write; keys that found the backend full get one retry after the tier's
-        policy evicts room for them (LMDB's map can fill before the block count says so)."""
-        tier = self.tiers[index]
-        if isinstance(outcomes, BaseException):
-            outcomes = [Outcome.FAILED] * len(keys)
-        full = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.FULL]
-        settled = [k for k, o in zip(keys, outcomes, strict=True) if o is not Outcome.FULL]
-        settled_outcomes = [o for o in outcomes if o is not Outcome.FULL]
-        self._emit(tier, tier.finish_write(settled, settled_outcomes), removed=False)
-        if on_settled:
-            on_settled(settled)
-        if not full:
-            return
-        victims = tier.policy.evict(len(full), protected=set(keys)) if retry else None
-        if victims is None:
-            tier.finish_write(full, [Outcome.FAILED] * len(full))
-            if on_settled:
-                on_settled(full)
-            return
-        tier.metrics.full_retries += 1
-        tier.metrics.evictions += len(victims)
-        self._emit(tier, victims, removed=True)
-        full_buffers = [b for k, b in zip(keys, buffers, strict=True) if k in set(full)]
-        pinned = [OffloadKey(k) for k in full if self.primary.lookup(OffloadKey(k)) is True]
-        if pinned:
-            self.primary.prepare_load(pinned)
-
-        def done(again: Any) -> None:
-            if pinned:
-                self.primary.complete_load(pinned)
-            self._finish_tier_write(
-                index, full, full_buffers, again, retry=False, on_settled=on_settled
+        slots = cast("Mapping[bytes, int]", primary.slots)
+        for tier in self.tiers:
+            job = tier.start_store(
+                ready, slots, lookup_counts=self._lookup_counts, req_context=req_context
             )
+            if job is not None:
+                self._run_store_job(job)
 
-        self._submit("store", index, full, tier.write(full, full_buffers, victims), done)
+    def _run_store_job(self, job: TierJob) -> None:
+        """Emit what the tier evicted for the job, hold the primary rows it reads, submit it."""
+        self._emit(job.tier, job.removed, removed=True)
+        if not job.retried:  # a retry keeps the hold of the job it retries
+            if job.kind == "store":
+                self.primary.pin(cast("list[OffloadKey]", list(job.keys)))
+            else:  # write-back: the evicted slots stay allocated until the write is done
+                draining = self._draining
+                for slot in job.slots:
+                    draining[slot] = draining.get(slot, 0) + 1
+        self._submit(job, self._store_done)
+
+    def _store_done(self, job: TierJob, result: object) -> None:
+        outcome = job.tier.finish_store(job, result)
+        self._emit(job.tier, outcome.stored, removed=False)
+        if outcome.settled:
+            if job.kind == "store":
+                self.primary.complete_load(
+                    cast("list[OffloadKey]", [k for k, _ in outcome.settled])
+                )
+            else:
+                self._release_draining([slot for _, slot in outcome.settled])
+        if outcome.retry is not None:
+            self._run_store_job(outcome.retry)
 
     # -- write-back --------------------------------------------------------------------------------
 
-    def _on_primary_evict(self, victims: list[tuple[OffloadKey, int]]) -> set[int]:
+    def _on_primary_evict(
+        self, victims: list[tuple[OffloadKey, int]], req_context: object
+    ) -> set[int]:
         """Start writing dirty victims to their write-back tiers; keep their slots until done."""
+        slots: dict[bytes, int] = dict(victims)
         retained: set[int] = set()
-        by_tier: dict[int, list[tuple[OffloadKey, int]]] = {}
-        for key, slot in victims:
-            for index in self._dirty.pop(key, ()):
-                by_tier.setdefault(index, []).append((key, slot))
-        for index, pairs in by_tier.items():
-            tier = self.tiers[index]
-            if not tier.has_capacity_for_job:
-                tier.metrics.stores_shed += len(pairs)
-                continue
-            reserved = tier.reserve_write([k for k, _ in pairs])
-            if reserved is None:
-                tier.metrics.stores_shed += len(pairs)
-                continue
-            to_write, tier_victims = reserved
-            self._emit(tier, tier_victims, removed=True)
-            slot_of = dict(pairs)
-            slots = [slot_of[OffloadKey(k)] for k in to_write]
-            if not to_write:
-                continue
-            for slot in slots:
-                self._draining[slot] = self._draining.get(slot, 0) + 1
-                retained.add(slot)
-            buffers = [self._row(s) for s in slots]
-            slot_by_key = dict(zip(to_write, slots, strict=True))
-
-            def settled(keys: list[bytes], slot_by_key: dict[bytes, int] = slot_by_key) -> None:
-                self._release_draining([slot_by_key[k] for k in keys])
-
-            def done(
-                outcomes: Any,
-                index: int = index,
-                to_write: list[bytes] = to_write,
-                buffers: list[memoryview] = buffers,
-                settled: Callable[[list[bytes]], None] = settled,
-            ) -> None:
-                self._finish_tier_write(
-                    index, to_write, buffers, outcomes, retry=True, on_settled=settled
-                )
-
-            tier.metrics.store_jobs += 1
-            self._submit(
-                "write_back", index, to_write, tier.write(to_write, buffers, tier_victims), done
-            )
+        for tier in self._write_back_tiers:
+            job = tier.start_write_back(slots, req_context=req_context)
+            if job is not None:
+                retained.update(job.slots)
+                self._run_store_job(job)
         return retained
 
     def _release_draining(self, slots: Sequence[int]) -> None:
@@ -578,21 +674,60 @@ class TieringOffloadingManager:
                 free.append(slot)
         self.primary.release_slots(free)
 
-    # -- events, metrics, lifecycle ----------------------------------------------------------------
+    # -- steps, requests, events, metrics ----------------------------------------------------------
+
+    def on_schedule_end(self) -> None:
+        """End of a scheduler step: apply the results of finished tier I/O, then submit every
+        request's promotion batch (one job per request and tier)."""
+        self._check_open()
+        self._process_finished(before_epoch=self._epoch if self.step_driven else None)
+        self._flush_promotions()
+        self._epoch += 1
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._batches or self._waiting)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stored and removed events of every medium ("CPU", then each tier's), in order."""
-        self._begin_call(self._batch_request)
-        self._flush_promotions()
+        if not self.step_driven and not self._closed:
+            self._process_finished()
+            self._flush_promotions()
         self._pull_primary_events()
         events, self._events = self._events, []
         return events
 
-    def inflight_jobs(self) -> list[Job]:
+    def inflight_jobs(self) -> list[TierJob]:
         return list(self._jobs)
 
+    def _counters(self) -> ManagerStats:
+        primary = self.primary.counters()
+        primary["promotions_without_space"] = self.promotions_without_space
+        out = {self.primary.medium: primary}
+        for tier in self.tiers:
+            out[tier.name] = tier.metrics.counters()
+        return out
+
+    def get_stats(self) -> ManagerStats:
+        """Counters per tier since the previous call (deltas): ``"CPU"`` as
+        :meth:`CPUOffloadingManager.get_stats` plus ``promotions_without_space``; each tier by
+        name with its :class:`~tiering.tier.TierMetrics` counters (``lookup_hits``,
+        ``promoted_blocks``, ``bytes_read``, ``stored_blocks``, ``bytes_written``,
+        ``store_failures``, ``promotion_failures``, ``corrupt_blocks``, ``stores_shed``,
+        ``open_failures``, ...). :meth:`metrics` has the totals."""
+        now = self._counters()
+        seen, self._stats_seen = self._stats_seen, now
+        return {
+            tier: {
+                name: value - seen.get(tier, {}).get(name, 0) for name, value in counters.items()
+            }
+            for tier, counters in now.items()
+        }
+
+    def config_info(self) -> list[ConfigInfo]:
+        return self.primary.config_info() + [tier.config_info() for tier in self.tiers]
+
     def metrics(self) -> dict[str, Any]:
-        """Counters per tier and of the primary tier."""
+        """Counters (totals) per tier and of the primary tier."""
         out: dict[str, Any] = {
             "primary": {
                 "blocks": len(self.primary),
@@ -602,82 +737,100 @@ class TieringOffloadingManager:
         }
         for tier in self.tiers:
             out[tier.name] = {
+                "status": tier.status,
+                "open_error": tier.open_error,
                 "blocks": len(tier),
                 "capacity_blocks": tier.capacity_blocks if tier.is_open else 0,
                 "inflight_jobs": tier.inflight_jobs,
-                **{k: v for k, v in vars(tier.metrics).items() if not isinstance(v, list)},
+                **tier.metrics.counters(),
                 "backend": vars(tier.backend.stats),
             }
         return out
 
+    # -- waiting and lifecycle --------------------------------------------------------------------
+
     def wait_idle(self, timeout: float | None = 60.0) -> None:
-        """Block until no job is in flight and every result is applied (lifecycle and tools;
-        never called by the protocol)."""
+        """Block until every promotion batch is submitted, no job is in flight and every result
+        is applied (lifecycle, tools and tests; never called by the protocol).
+
+        It works in rounds, each a step boundary with its I/O drained: submit the batches, wait
+        until every job in flight has finished, apply all their results in submission order. So
+        the same calls give the same state afterwards, however the I/O thread was scheduled."""
         if self._io.in_loop_thread():
             raise TieringError("wait_idle() would deadlock on the I/O loop thread")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._flush_promotions()
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         while True:
+            self._flush_promotions()
+            self._collect(block_until_all=deadline)
             self._process_finished()
-            if not self._jobs and not self._waiting_promotions:
+            if not self._jobs and not self._waiting and not self._batches:
                 return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"{len(self._jobs)} tiering job(s) still in flight")
-            concurrent.futures.wait(
-                [j.future for j in self._jobs],
-                timeout=remaining,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-            time.sleep(0)  # let done-callbacks enqueue their results
 
     def wait_ready(self, timeout: float | None = 60.0) -> None:
-        """Block until every tier is open and indexed."""
+        """Block until every tier is open and indexed (or degraded)."""
         self.wait_idle(timeout)
 
     async def drain(self) -> None:
-        """Wait, without blocking the event loop, until all in-flight work is done."""
-        self._flush_promotions()
+        """Wait, without blocking the event loop, until all in-flight work is done and applied
+        (in rounds, as :meth:`wait_idle`)."""
         while True:
+            self._flush_promotions()
+            self._collect()
+            while len(self._done) < len(self._jobs):
+                await self._wait_any()
+                self._collect()
             self._process_finished()
-            if not self._jobs and not self._waiting_promotions:
+            if not self._jobs and not self._waiting and not self._batches:
                 return
-            await asyncio.wait(
-                [asyncio.wrap_future(j.future) for j in self._jobs],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            await asyncio.sleep(0)
 
-    async def lookup_async(self, key: OffloadKey, req_context: object = None) -> bool:
-        """Like :meth:`lookup`, but waits out "retry later": True once ready, False if absent."""
+    def _step(self) -> None:
+        self._process_finished()
+        self._flush_promotions()
+
+    async def lookup_async(self, key: OffloadKey, *, req_context: object = None) -> bool:
+        """Like :meth:`lookup`, but waits out "ask again later": True once ready, False if
+        absent. Each wait is a step boundary (results apply, batches are submitted)."""
         while True:
-            answer = self.lookup(key, req_context)
+            answer = self.lookup(key, req_context=req_context)
             if answer is not None:
                 return answer
-            self._flush_promotions()
+            self._step()
             await self._wait_any()
+            self._step()
 
     async def lookup_request_async(
         self,
         spec: KVCacheSpec,
-        keys_per_group: Sequence[Sequence[bytes]],
+        keys_per_group: Sequence[Sequence[OffloadKey]],
         num_prompt_tokens: int,
+        *,
         req_context: object = None,
+        engine_recomputes_last_token: bool = False,
     ) -> int:
         """Like :meth:`lookup_request`, but waits for the promotions it starts."""
         while True:
-            answer = self.lookup_request(spec, keys_per_group, num_prompt_tokens, req_context)
+            answer = self.lookup_request(
+                spec,
+                keys_per_group,
+                num_prompt_tokens,
+                req_context=req_context,
+                engine_recomputes_last_token=engine_recomputes_last_token,
+            )
             if answer is not None:
                 return answer
+            self._step()
             await self._wait_any()
+            self._step()
 
     async def _wait_any(self) -> None:
-        if self._jobs:
+        """Wait until a job in flight finishes (its result is queued by then)."""
+        futures = [j.future for j in self._jobs if j.future is not None and not j.future.done()]
+        if futures:
             await asyncio.wait(
-                [asyncio.wrap_future(j.future) for j in self._jobs],
-                return_when=asyncio.FIRST_COMPLETED,
+                [asyncio.wrap_future(f) for f in futures], return_when=asyncio.FIRST_COMPLETED
             )
-        await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(0)
 
     async def __aenter__(self) -> Self:
         await self.drain()
@@ -697,7 +850,10 @@ class TieringOffloadingManager:
             return
         await self.drain()
         for tier in self.tiers:
-            await asyncio.wrap_future(self._io.submit(tier.close()))
+            try:
+                await asyncio.wrap_future(self._io.submit(tier.start_close().io))
+            except Exception:  # closing the rest matters more
+                pass
         self._finish_close()
 
     def reset_cache(self) -> None:
@@ -707,18 +863,16 @@ class TieringOffloadingManager:
         self.wait_idle()
         self.primary.reset_cache()
         self._pull_primary_events()
-        self._dirty.clear()
         self._draining.clear()
         self._promoting.clear()
-        self._batch.clear()
-        self._waiting_promotions.clear()
-        for index, tier in enumerate(self.tiers):
-            if not tier.is_open:
-                continue
-            keys = tier.clear()
-            self._emit(tier, keys, removed=True)
-            if keys:
-                self._submit("delete", index, keys, tier.delete(keys), lambda _r: None)
+        self._batches.clear()
+        self._batched.clear()
+        self._waiting.clear()
+        for tier in self.tiers:
+            job = tier.start_clear()
+            if job is not None:
+                self._emit(tier, job.removed, removed=True)
+                self._submit(job, _ignore_result)
         self.wait_idle()
 
     def shutdown(self) -> None:
@@ -730,7 +884,7 @@ class TieringOffloadingManager:
         finally:
             for tier in self.tiers:
                 try:
-                    self._io.submit(tier.close()).result(timeout=60)
+                    self._io.submit(tier.start_close().io).result(timeout=60)
                 except Exception:  # closing the rest matters more
                     pass
             self._finish_close()
@@ -744,3 +898,7 @@ class TieringOffloadingManager:
         io = getattr(self, "_io", None)
         if io is not None and not getattr(self, "_closed", True):
             io.close(timeout=0)
+
+
+def _ignore_result(job: TierJob, result: object) -> None:
+    """Deletes after a reset are best effort: the index has already forgotten the keys."""

@@ -40,6 +40,12 @@ Files
     (:mod:`tiering.backends.ownership`), and creates only files matching its ``owned_files``
     patterns there: those are all that ``tiering wipe`` and ``replay --fresh`` delete.
     Damaged files are never a crash: what does not verify is a miss, and is counted.
+Shared stores (``capabilities.shared``)
+    A shared backend's store is written and evicted by others too (other engine nodes, the
+    store's own eviction), so it is its own index: ``open`` enumerates nothing and returns no
+    keys, ``contains`` asks the store (one batched round trip), and a key it reported may be
+    gone by the next ``get`` (``MISSING``). Its capacity is the store's: ``put`` is ``FULL``
+    only when the store refuses for lack of room.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class BackendCapabilities:
     supports_delete: bool
     max_value_bytes: int  # the largest block (payload) it accepts
     zero_copy_reads: bool = False  # get() moves bytes into the caller's buffer with no staging copy
+    shared: bool = False  # others write and evict the store too: it is its own index (see above)
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """An in-memory backend: not persistent, for tests, demos and as the smallest plugin example.
 
 It keeps verified bytes like the disk backends do (header + payload per block), so the whole
-contract, checksums included, holds; its "I/O" is a memcpy on the caller's loop, which is
-cheap enough not to need a thread.
+contract, checksums included, holds; its "I/O" is a memcpy on the caller's loop. A copy is too
+short to need a thread, but a batch of many large blocks is not: a call yields to the loop after
+every ``YIELD_EVERY_BYTES`` it copies, so the loop keeps running other tasks (and a cancellation
+lands between two whole blocks, never inside one).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
@@ -14,7 +17,10 @@ from tiering.backends.block_format import HEADER_BYTES, pack_header, unpack_head
 from tiering.errors import BackendError, CorruptBlockError
 from tiering.keys import check_keys
 
-__all__ = ["MemoryBackend"]
+__all__ = ["YIELD_EVERY_BYTES", "MemoryBackend"]
+
+#: A put or get yields to the event loop after copying this many bytes.
+YIELD_EVERY_BYTES = 1 << 20
 
 
 class MemoryBackend(StorageBackend):
@@ -78,11 +84,16 @@ class MemoryBackend(StorageBackend):
         key_list = self._check(keys)
         self._check_buffers(key_list, values)
         outcomes = []
+        copied = 0
         for key, value in zip(key_list, values, strict=True):
+            if copied >= YIELD_EVERY_BYTES:
+                copied = 0
+                await asyncio.sleep(0)
             if key not in self._blocks and len(self._blocks) >= self.capacity_blocks:
                 outcomes.append(Outcome.FULL)
                 continue
             self._blocks[key] = bytearray(pack_header(key, value, self.fingerprint)) + value
+            copied += self.block_bytes
             self.stats.puts += 1
             self.stats.bytes_written += self.block_bytes
             outcomes.append(Outcome.OK)
@@ -92,7 +103,11 @@ class MemoryBackend(StorageBackend):
         key_list = self._check(keys)
         self._check_buffers(key_list, buffers)
         outcomes = []
+        copied = 0
         for key, buf in zip(key_list, buffers, strict=True):
+            if copied >= YIELD_EVERY_BYTES:
+                copied = 0
+                await asyncio.sleep(0)
             self.stats.gets += 1
             stored = self._blocks.get(key)
             if stored is None:
@@ -111,6 +126,7 @@ class MemoryBackend(StorageBackend):
                 outcomes.append(Outcome.CORRUPT)
                 continue
             memoryview(buf).cast("B")[:] = payload
+            copied += self.block_bytes
             self.stats.hits += 1
             self.stats.bytes_read += self.block_bytes
             outcomes.append(Outcome.OK)

@@ -173,7 +173,7 @@ class SimulatedEngine:
         hit_tokens: int | None = None
         while True:
             hit_tokens = self.manager.lookup_request(
-                self.spec, keys, num_tokens, request.request_id
+                self.spec, keys, num_tokens, req_context=request.request_id
             )
             if hit_tokens is not None:
                 break
@@ -200,8 +200,8 @@ class SimulatedEngine:
             for key in load_keys:
                 medium = located.get(key, "NEW")  # "NEW": stored while this request waited
                 loaded_from[medium] = loaded_from.get(medium, 0) + 1
-            self.manager.touch(load_keys, request.request_id)
-            slots = self.manager.prepare_load(load_keys, request.request_id).block_ids
+            self.manager.touch(load_keys, req_context=request.request_id)
+            slots = self.manager.prepare_load(load_keys, req_context=request.request_id).block_ids
             engine_ids: list[int] = []
             sizes: list[int] = []
             for g in range(len(keys)):
@@ -212,7 +212,7 @@ class SimulatedEngine:
             copy_started = time.perf_counter()
             handle = self._finish(self.transfers.submit_load(load))
             load_copy_s = time.perf_counter() - copy_started
-            self.manager.complete_load(load_keys, request.request_id)
+            self.manager.complete_load(load_keys, req_context=request.request_id)
             blocks_loaded = len(load_keys)
             bytes_loaded = handle.bytes
             if self.verify:
@@ -230,7 +230,7 @@ class SimulatedEngine:
 
         start = time.perf_counter()
         candidates = plan_store(self.spec, keys, tables, hit_blocks)
-        out = self.manager.prepare_store(list(candidates.keys), request.request_id)
+        out = self.manager.prepare_store(list(candidates.keys), req_context=request.request_id)
         blocks_stored = bytes_stored = 0
         if out is not None and out.keys_to_store:
             job = candidates.build_job(out.keys_to_store)
@@ -244,7 +244,7 @@ class SimulatedEngine:
             copy_started = time.perf_counter()
             handle = self._finish(self.transfers.submit_store(transfer))
             store_copy_s = time.perf_counter() - copy_started
-            self.manager.complete_store(out.keys_to_store, True, request.request_id)
+            self.manager.complete_store(out.keys_to_store, req_context=request.request_id)
             blocks_stored = len(out.keys_to_store)
             bytes_stored = handle.bytes
         store_s = time.perf_counter() - start

@@ -3,7 +3,9 @@
 ``BackendTests`` is the conformance suite for storage backends: subclass it in your own test
 module and implement ``make_backend`` (see :mod:`tiering.testing.backend_tests`).
 ``PolicyTests`` is the conformance suite for eviction policies: subclass it and override the
-``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`).
+``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`). ``ManagerTests`` is the
+conformance suite for scheduler-side managers (the protocol in :mod:`tiering.protocol`):
+subclass it and implement ``make_manager`` (see :mod:`tiering.testing.manager_tests`).
 ``CopyStrategyTests`` is the conformance suite for GPU <-> CPU copy strategies: subclass it and
 name the strategy and device (see :mod:`tiering.testing.copy_strategy_tests`).
 
@@ -19,13 +21,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tiering.testing.backend_tests import BackendTests
     from tiering.testing.copy_strategy_tests import CopyStrategyTests
+    from tiering.testing.manager_tests import ManagerTests
     from tiering.testing.policy_tests import PolicyTests
 
-__all__ = ["BackendTests", "CopyStrategyTests", "PolicyTests"]
+__all__ = ["BackendTests", "CopyStrategyTests", "ManagerTests", "PolicyTests"]
 
 _SUITES = {
     "BackendTests": "tiering.testing.backend_tests",
     "CopyStrategyTests": "tiering.testing.copy_strategy_tests",
+    "ManagerTests": "tiering.testing.manager_tests",
     "PolicyTests": "tiering.testing.policy_tests",
 }
 
