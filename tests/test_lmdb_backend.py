@@ -690,8 +690,8 @@ async def test_queued_puts_are_coalesced_into_one_transaction(tmp_path: Path) ->
 
 @pytest.mark.asyncio
 async def test_the_loop_stays_free_during_a_multi_transaction_put(tmp_path: Path) -> None:
-    """Eight write transactions on the writer thread: the loop runs other tasks meanwhile and
-    spends a small share of the put's CPU time (measured without a clock: see loop_use)."""
+    """Eight write transactions on the writer thread: the loop runs other tasks meanwhile, in
+    no long stretch (measured in the loop thread's CPU time, not a wall clock: see loop_use)."""
     size = 1 << 20
     backend = backend_at(tmp_path / "db", blocks=64, size=size, max_txn_bytes=8 << 20)
     keys = keys_for(64)

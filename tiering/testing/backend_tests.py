@@ -39,9 +39,10 @@ one key (every ``OK`` get returns one written payload exactly); cancelled puts a
 (afterwards ``OK`` with the exact payload or ``MISSING``, never corrupt, and the backend keeps
 working); misuse errors raised before any I/O (``ValueError`` for buffer sizes,
 ``InvalidKeyError`` for keys, ``BackendError`` when not open); idempotent ``close``; hostile
-key bytes; and that a large put or get leaves the event loop free (measured without a clock:
-another task runs while it is in flight, and the loop's thread spends at most half of the call's
-CPU time, see :mod:`tiering.testing.loop_use`).
+key bytes; and that a large put or get leaves the event loop free (measured in the loop
+thread's CPU time, not with a wall clock: another task runs while it is in flight, and between
+any two of its turns the loop runs at most half of the call's CPU time; see
+:mod:`tiering.testing.loop_use`).
 
 Hooks a subclass may override: :meth:`capacity_bytes_for` (how much ``capacity_bytes`` gives
 room for ``n`` blocks; the default adds 8 KiB per block), :meth:`expected_usage_bytes` (exact
@@ -632,8 +633,8 @@ class BackendTests:
 
         Measured without a wall clock (which a busy machine stretches, whoever blocks; see
         :mod:`tiering.testing.loop_use`): another task runs while each call is in flight, and
-        at most half of the CPU time the call costs is spent on the event loop's thread (a
-        backend that copies and checksums on the loop spends nearly all of it there).
+        no stretch of the loop thread's CPU time without it is over half of the call's (a
+        backend that copies and checksums a batch on the loop spends it all in one stretch).
         """
         n, size = self.large_blocks, self.large_block_bytes
         keys = self.make_keys(n, tag="large")

@@ -2,20 +2,26 @@
 stretch.
 
 A wall-clock bound ("the loop never stalls more than 10 ms") fails whenever the machine is busy:
-a descheduled thread stalls everything, whoever blocks. :func:`measure_loop_use` measures two
-things that load does not change instead:
+a descheduled thread stalls everything, whoever blocks. :func:`measure_loop_use` measures in
+CPU time of the event loop's thread instead (``CLOCK_THREAD_CPUTIME_ID``), which only advances
+while that thread runs, so waiting for a CPU, a disk or a peer never counts.
 
-* ``ticks``: how many times a task beside the call ran while the call was in flight. A call
-  that never yields gives 0, however long it takes.
-* ``loop_cpu_s`` and ``process_cpu_s``: the CPU time of the event loop's thread, and of the whole
-  process, while the call ran (``CLOCK_THREAD_CPUTIME_ID``, ``CLOCK_PROCESS_CPUTIME_ID``). CPU
-  time only counts while a thread runs, so waiting for a CPU does not count. A call that moves
-  and checksums its bytes on the loop's thread spends its CPU time there; one that hands the
-  work to threads of its own leaves the loop a small share of it.
+A task beside the call yields (``asyncio.sleep(0)``) over and over while the call is in flight,
+and notes the loop thread's CPU time at each of its turns. The stretches between two turns (and
+from the start of the call to the first, and from the last to the end) are what the loop thread
+ran without letting anything else in: the call's own work between two of its awaits.
 
-``LoopUse.assert_loop_free`` checks both: at least one tick, and at most ``max_loop_share`` of
-the CPU time on the loop. The garbage collector is paused during the call, so that a collection
-on the loop thread does not count against the call.
+* ``ticks``: the turns the task had. A call that never yields gives 0, however long it is.
+* ``longest_stretch_s`` against ``process_cpu_s``, the CPU time the whole process spent during
+  the call (``CLOCK_PROCESS_CPUTIME_ID``: the call's work, wherever it ran): a call that blocks
+  the loop (copies and checksums a whole batch on the loop's thread) spends nearly all of it in
+  one stretch; one that hands its work to threads leaves only short stretches, and so does an
+  asyncio-native backend that yields between its network round trips.
+
+``LoopUse.assert_loop_free`` checks both: at least one tick, and no stretch longer than
+``max_stretch_share`` of the call's CPU time. Neither depends on how the machine schedules
+threads: a stretch counts only what the loop thread itself ran. The garbage collector is
+paused during the call, so that a collection on the loop thread does not count against it.
 """
 
 from __future__ import annotations
@@ -30,40 +36,40 @@ from typing import TypeVar
 __all__ = ["LoopUse", "measure_loop_use"]
 
 _T = TypeVar("_T")
-_ENOUGH_TICKS = 3  # a few prove the point; more would spend the loop's CPU on the probe
 
 
 @dataclass(frozen=True)
 class LoopUse:
-    """What :func:`measure_loop_use` saw while the call was in flight."""
+    """What :func:`measure_loop_use` saw while the call was in flight (CPU seconds)."""
 
     ticks: int
+    longest_stretch_s: float
     loop_cpu_s: float
     process_cpu_s: float
 
     @property
-    def loop_share(self) -> float:
-        """The loop thread's share of the process's CPU time during the call."""
-        return self.loop_cpu_s / self.process_cpu_s if self.process_cpu_s > 0 else 0.0
+    def stretch_share(self) -> float:
+        """The longest stretch's share of the process's CPU time during the call."""
+        return self.longest_stretch_s / self.process_cpu_s if self.process_cpu_s > 0 else 0.0
 
-    def assert_loop_free(self, what: str, *, max_loop_share: float = 0.5) -> None:
+    def assert_loop_free(self, what: str, *, max_stretch_share: float = 0.5) -> None:
         assert self.ticks > 0, f"{what}: the event loop ran nothing else while the call ran"
-        assert self.loop_share <= max_loop_share, (
-            f"{what}: {self.loop_cpu_s * 1e3:.1f} ms of the call's "
-            f"{self.process_cpu_s * 1e3:.1f} ms of CPU ran on the event loop's thread "
-            f"({self.loop_share:.0%}; at most {max_loop_share:.0%}): the work blocks the loop"
+        assert self.stretch_share <= max_stretch_share, (
+            f"{what}: the event loop ran {self.longest_stretch_s * 1e3:.1f} ms of CPU without "
+            f"letting another task in, {self.stretch_share:.0%} of the call's "
+            f"{self.process_cpu_s * 1e3:.1f} ms of CPU (at most {max_stretch_share:.0%}): the "
+            "call blocks the loop"
         )
 
 
 async def measure_loop_use(call: Callable[[], Awaitable[_T]]) -> tuple[_T, LoopUse]:
     """Await ``call()`` with a task beside it; return its result and what :class:`LoopUse` saw."""
     in_flight = False
-    ticks = 0
+    turns: list[float] = []  # the loop thread's CPU time at each turn of the task beside
 
     async def beside() -> None:
-        nonlocal ticks
-        while in_flight and ticks < _ENOUGH_TICKS:
-            ticks += 1
+        while in_flight:
+            turns.append(time.thread_time())
             await asyncio.sleep(0)
 
     gc_was_enabled = gc.isenabled()
@@ -71,15 +77,16 @@ async def measure_loop_use(call: Callable[[], Awaitable[_T]]) -> tuple[_T, LoopU
     try:
         in_flight = True
         task = asyncio.ensure_future(beside())
-        loop_start, process_start = time.thread_time(), time.process_time()
+        start, process_start = time.thread_time(), time.process_time()
         try:
             result = await call()
         finally:
-            loop_cpu_s = time.thread_time() - loop_start
-            process_cpu_s = time.process_time() - process_start
+            end, process_end = time.thread_time(), time.process_time()
             in_flight = False
             await task
     finally:
         if gc_was_enabled:
             gc.enable()
-    return result, LoopUse(ticks, loop_cpu_s, process_cpu_s)
+    points = [start, *(t for t in turns if t <= end), end]
+    longest = max(b - a for a, b in zip(points, points[1:], strict=False))
+    return result, LoopUse(len(points) - 2, longest, end - start, process_end - process_start)
