@@ -267,7 +267,7 @@ def _pages(path: Path) -> int:
 
 
 @pytest.mark.parametrize("kind", ["big", "small"])
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.999])
 def test_a_truncated_lmdb_data_file_is_set_aside_not_a_crash(
     lmdb_golden: Path, tmp_path: Path, kind: str, fraction: float
 ) -> None:
@@ -315,7 +315,7 @@ def test_an_overwritten_meta_page_is_set_aside(
 
 
 @pytest.mark.parametrize("kind", ["big", "small"])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_overwritten_lmdb_pages_never_crash_or_serve_wrong_bytes(
     lmdb_golden: Path, tmp_path: Path, kind: str, seed: int
 ) -> None:
