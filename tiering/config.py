@@ -1168,6 +1168,7 @@ def build_manager(
     block_bytes: int | None = None,
     fingerprint: bytes | None = None,
     pool: Any = None,
+    step_driven: bool = False,
 ) -> TieringOffloadingManager:
     """A running manager: the CPU primary tier plus every secondary tier, in order.
 
@@ -1175,8 +1176,9 @@ def build_manager(
     ``fingerprint`` default to the ones ``config.model`` gives. ``pool`` (a
     :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
     directories are created here; tiers open in the background (call ``wait_ready()`` to wait
-    and surface open errors). Raises :class:`ConfigError` before creating anything if a tier
-    cannot be built.
+    and surface open errors). ``step_driven`` is the manager's (an engine adapter sets it; see
+    :class:`TieringOffloadingManager`). Raises :class:`ConfigError` before creating anything if
+    a tier cannot be built.
     """
     if block_bytes is None:
         block_bytes = config.block_bytes()
@@ -1196,7 +1198,9 @@ def build_manager(
     if pool is None:
         pool = build_pool(config, block_bytes=block_bytes)
     primary = CPUOffloadingManager(num_blocks, config.primary.policy, config.events.enabled)
-    return TieringOffloadingManager(primary, tiers, pool=pool, enable_events=config.events.enabled)
+    return TieringOffloadingManager(
+        primary, tiers, pool=pool, enable_events=config.events.enabled, step_driven=step_driven
+    )
 
 
 def _create_backend(
