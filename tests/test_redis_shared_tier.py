@@ -23,6 +23,7 @@ from tiering.config import build_manager, build_tier, load_config
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
+from tiering.observability.metrics import CATALOGUE, read_samples
 from tiering.protocol import LookupResult, OffloadingManager
 from tiering.shared_tier import SharedTier
 from tiering.testing import ManagerTests
@@ -512,3 +513,24 @@ def test_a_cluster_node_killed_mid_run(own_cluster: RedisClusterProcesses, make_
     assert late.lookup(lost) == [HIT] * len(lost)
     late.load_exact(lost)
     assert not late.backend.degraded
+
+
+def test_prometheus_samples_of_a_shared_tier(redis_standalone: RedisServer, make_node: Any) -> None:
+    writer, reader = make_node(redis_standalone), make_node(redis_standalone)
+    keys = [_key(i, "prom") for i in range(4)]
+    writer.store(keys[:2])
+    assert reader.lookup(keys) == [RETRY] * 4
+    reader.settle()
+    assert reader.lookup(keys) == [HIT, HIT, MISS, MISS]
+    reader.store(keys[2:])
+    samples = {(s.name, s.labels[2:]): s.value for s in read_samples(reader.manager)}
+    assert samples[("tiering_existence_checks", ())] == 1
+    assert samples[("tiering_checked_keys", ("present",))] == 2
+    assert samples[("tiering_checked_keys", ("absent",))] == 2
+    assert samples[("tiering_checked_keys", ("unknown",))] == 0
+    assert samples[("tiering_cached_misses", ())] == 2
+    assert samples[("tiering_skipped_writes", ("cached",))] == 0
+    writer_samples = {(s.name, s.labels[2:]): s.value for s in read_samples(writer.manager)}
+    assert writer_samples[("tiering_stored_blocks", ())] == 2
+    names = {s.name for s in read_samples(writer.manager)}
+    assert {spec.name for spec in CATALOGUE} - names == {"tiering_job_latency_seconds"}

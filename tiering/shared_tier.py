@@ -83,6 +83,7 @@ class SharedTierMetrics(TierMetrics):
     existence_checks: int = 0  # check jobs: one per request (and step) with unknown keys
     checked_keys: int = 0  # keys asked about
     check_hits: int = 0  # keys a check found present (then promoted)
+    check_absent: int = 0  # keys a check found absent
     check_unknown: int = 0  # keys a check could not answer (their node failed): quarantined
     cached_misses: int = 0  # lookups answered "absent" from the cache or the quarantine
     writes_skipped_cached: int = 0  # blocks not sent: the cache said the store holds them
@@ -266,6 +267,7 @@ class SharedTier(SecondaryTier):
                 present.append(key)
         metrics = self.metrics
         metrics.check_hits += len(present)
+        metrics.check_absent += len(job.keys) - len(present) - unknown
         metrics.check_unknown += unknown
         metrics.quarantined += unknown
         return present
