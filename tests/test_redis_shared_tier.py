@@ -17,6 +17,7 @@ import torch
 from redis.crc import key_slot
 from redis_helpers import Target, prefix_for, raw_client, require_redis, target_options
 
+from tiering.backends.memory import MemoryBackend
 from tiering.backends.redis import RedisBackend
 from tiering.cli import main as cli_main
 from tiering.config import build_manager, build_tier, load_config
@@ -534,3 +535,51 @@ def test_prometheus_samples_of_a_shared_tier(redis_standalone: RedisServer, make
     assert writer_samples[("tiering_stored_blocks", ())] == 2
     names = {s.name for s in read_samples(writer.manager)}
     assert {spec.name for spec in CATALOGUE} - names == {"tiering_job_latency_seconds"}
+
+
+def test_a_shared_tier_is_the_last_tier() -> None:
+    shared = RedisBackend(capacity_bytes=1 << 30, block_bytes=BLOCK, fingerprint=FINGERPRINT,
+                          url="redis://127.0.0.1:1/0", shared=True)  # fmt: skip
+    local = MemoryBackend(capacity_bytes=1 << 20, block_bytes=BLOCK, fingerprint=FINGERPRINT)
+    with pytest.raises(ConfigurationError, match="must be the last tier"):
+        TieringOffloadingManager(
+            CPUOffloadingManager(4),
+            [SharedTier(shared, name="redis"), SecondaryTier(local, name="mem")],
+            pool=torch.zeros(4, BLOCK, dtype=torch.uint8),
+        )
+
+
+def test_a_local_tier_before_the_shared_one_is_asked_first(
+    redis_standalone: RedisServer, tmp_path: Path
+) -> None:
+    """A key a local tier holds is promoted from it; only the others are asked about."""
+    backend = RedisBackend(capacity_bytes=1 << 30, block_bytes=BLOCK, fingerprint=FINGERPRINT,
+                           key_prefix=prefix_for(tmp_path), shared=True,
+                           url=redis_standalone.url)  # fmt: skip
+    local = MemoryBackend(capacity_bytes=1 << 20, block_bytes=BLOCK, fingerprint=FINGERPRINT)
+    pool = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    manager = TieringOffloadingManager(
+        CPUOffloadingManager(4),
+        [SecondaryTier(local, name="mem"), SharedTier(backend, name="redis")],
+        pool=pool,
+    )
+    try:
+        manager.wait_ready()
+        keys = [_key(i, "local") for i in range(5)]
+        out = manager.prepare_store(keys[:4])
+        assert out is not None
+        manager.complete_store(keys[:4])
+        manager.wait_idle()
+        out = manager.prepare_store(keys[4:])  # evicts keys[0] from the CPU tier
+        assert out is not None and out.evicted_keys == [keys[0]]
+        manager.complete_store(keys[4:])
+        manager.wait_idle()
+        stats = manager.get_stats()
+        assert manager.lookup_result(keys[0], "r") is RETRY
+        manager.wait_idle()
+        assert manager.lookup_result(keys[0], "r") is HIT
+        stats = manager.get_stats()
+        assert stats["mem"]["promoted_blocks"] == 1
+        assert stats["redis"]["existence_checks"] == 0 and stats["redis"]["promotions"] == 0
+    finally:
+        manager.shutdown()

@@ -66,7 +66,7 @@ __all__ = ["CheckResult", "SharedTier", "SharedTierMetrics"]
 logger = logging.getLogger(__name__)
 
 OK = Outcome.OK
-READY, ABSENT = TierKeyState.READY, TierKeyState.ABSENT
+READY, ABSENT, UNKNOWN = TierKeyState.READY, TierKeyState.ABSENT, TierKeyState.UNKNOWN
 
 
 @dataclass
@@ -189,23 +189,20 @@ class SharedTier(SecondaryTier):
     # -- what the tier knows (manager thread only) ------------------------------------------------
 
     def state(self, key: bytes) -> TierKeyState:
-        """READY if the cache says the store holds ``key``; ABSENT otherwise (absent, unknown
-        or quarantined: :meth:`needs_check` tells them apart). No side effects."""
-        return READY if self._known.get(key) is True else ABSENT
-
-    def needs_check(self, key: bytes) -> bool:
-        """Whether a lookup of ``key``, which no tier holds by what it knows, should ask the
-        store: True if nothing is known of it; False (counted as a cached miss) if the cache
-        says absent or the key is quarantined, or if the tier is not open or the key is not
-        one a backend stores."""
-        if self.status != "open" or not GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES:
-            return False
+        """READY if the cache says the store holds ``key``; UNKNOWN if nothing is known of it
+        (the manager then asks the store); ABSENT if the cache says absent or the key is
+        quarantined (counted in ``cached_misses``: a lookup answered without asking), or if the
+        tier is not open or the key is not one a backend stores. The only side effect is that
+        count (``locate``, a tool's call, adds to it too)."""
         answer = self._known.get(key)
+        if answer is True:
+            return READY
         if answer is None and key not in self._quarantine:
-            return True
-        if answer is not True:
-            self.metrics.cached_misses += 1
-        return False
+            if self.status == "open" and GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES:
+                return UNKNOWN
+            return ABSENT
+        self.metrics.cached_misses += 1
+        return ABSENT
 
     def partition(self, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """``keys`` (deduplicated, in order) as (cached present, unknown); the others (cached

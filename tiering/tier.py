@@ -73,6 +73,7 @@ class TierKeyState(enum.IntEnum):
     ABSENT = 0
     READY = 1
     WRITING = 2
+    UNKNOWN = 3  # a shared tier knows nothing of it: the store must be asked (shared_tier)
 
 
 @dataclass

@@ -16,11 +16,12 @@ The tiers own their jobs (:mod:`tiering.tier`): a tier decides what to write or 
 room, counts, and builds the I/O; this manager only holds the primary rows a job uses, submits
 the job, emits its events, and hands its result back to the tier.
 
-A shared tier (:mod:`tiering.shared_tier`, at most one) has no index: a key that no tier holds
-by what it knows, and that the shared tier knows nothing of, joins its request's batch like a
-promotion and answers ``RETRY``; the batch's unknown keys become one existence check of the
-shared tier, and the keys it finds are promoted when its result applies. Without a shared tier
-none of this runs: the lookup paths test one attribute once a key has missed every tier.
+A shared tier (:mod:`tiering.shared_tier`, at most one, the last) has no index: a key that no
+local tier holds, and that the shared tier knows nothing of (``TierKeyState.UNKNOWN``), joins its
+request's batch like a promotion and answers ``RETRY``; the batch's unknown keys become one
+existence check of the shared tier, and the keys it finds are promoted when its result applies.
+Without a shared tier none of this runs: no tier answers UNKNOWN, and an absent key takes the
+same branches as before.
 
 Threads. Every protocol call runs on the caller's thread and never blocks on I/O: jobs run on a
 private I/O loop thread (:class:`~tiering.io_loop.IOLoop`); a finished job only enqueues its
@@ -194,6 +195,11 @@ class TieringOffloadingManager(OffloadingManager):
             raise ConfigurationError(
                 f"at most one shared tier, got {[self.tiers[i].name for i in shared]}"
             )
+        if shared and shared[0] != len(self.tiers) - 1:
+            raise ConfigurationError(
+                f"the shared tier {self.tiers[shared[0]].name!r} must be the last tier: a "
+                "lookup asks it only once every local tier has missed"
+            )
         self._shared_index = shared[0] if shared else -1
         self._shared: SharedTier | None = (
             cast(SharedTier, self.tiers[shared[0]]) if shared else None
@@ -351,9 +357,11 @@ class TieringOffloadingManager(OffloadingManager):
             return RETRY
         if self._counts_lookups:
             self._count_lookup(key)
-        if state is ABSENT and self._shared is not None:
-            return self._lookup_shared(key, req_context)
-        return HIT_PENDING if state is TierKeyState.WRITING else MISS
+        if state is ABSENT:
+            return MISS
+        if state is TierKeyState.WRITING:
+            return HIT_PENDING
+        return self._lookup_shared(key, req_context)  # UNKNOWN: only a shared tier says it
 
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], *misplaced: object, req_context: object = None
@@ -431,12 +439,11 @@ class TieringOffloadingManager(OffloadingManager):
             self._count_lookup(key)
         state, index = self._tier_state(key)
         if state is TierKeyState.ABSENT:
-            if self._shared is not None and self._shared.needs_check(key):
-                promotable[key] = self._shared_index  # asked about with the request's batch
-                return KeyState.PENDING
             return KeyState.ABSENT
         if state is TierKeyState.READY:
             self.tiers[index].count_lookup_hit()
+            promotable[key] = index
+        elif state is TierKeyState.UNKNOWN:  # a shared tier: asked with the request's batch
             promotable[key] = index
         return KeyState.PENDING
 
@@ -513,13 +520,9 @@ class TieringOffloadingManager(OffloadingManager):
     # -- the shared tier ---------------------------------------------------------------------------
 
     def _lookup_shared(self, key: bytes, req_context: object) -> LookupResult:
-        """A key no tier holds by what it knows: MISS if the shared tier knows it is absent
-        (or cannot tell for now); else it joins the request's batch, to be asked about with the
-        batch's other unknown keys, and answers RETRY."""
-        owner = request_key(req_context)  # checked before anything is counted
-        shared = cast(SharedTier, self._shared)
-        if not shared.needs_check(key):
-            return MISS
+        """A key no local tier holds and the shared tier knows nothing of: it joins the
+        request's batch, to be asked about with the batch's other unknown keys: RETRY."""
+        owner = request_key(req_context)
         if key in self._batched:
             if not self.step_driven:
                 self._flush_promotions()  # asked again: stop batching, ask now
