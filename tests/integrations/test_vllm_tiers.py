@@ -431,6 +431,11 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
         ({"backend": "memory", "capacity": "1MiB", "tier": "x"}, "'tier' names a tier"),
         ({"tiering_config": "t.yaml", "backend": "memory"}, "not both"),
         ({"tiering_config": "/nonexistent/t.yaml"}, "/nonexistent/t.yaml"),
+        (
+            {"backend": "redis", "capacity": "1GiB", "url": "redis://127.0.0.1:1/0",
+             "shared": True},
+            "backend is shared",
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_tier_entry_is_a_config_error_naming_it(entry: dict[str, Any], message: str) -> None:
