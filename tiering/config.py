@@ -172,6 +172,14 @@ class PrimaryConfig:
     policy: str = field(
         default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
     )
+    store_threshold: int = field(
+        default=1,
+        metadata={
+            "min": 1,
+            "doc": "offers to store a block needs before it is stored (vLLM's store_threshold; "
+            "1 stores every offer)",
+        },
+    )
     copy_backend: CopyBackend = field(
         default="auto",
         metadata={"doc": "how workers copy KV blocks to and from the pool (tiering.transfer)"},
@@ -1197,7 +1205,12 @@ def build_manager(
         _make_directory(tier)
     if pool is None:
         pool = build_pool(config, block_bytes=block_bytes)
-    primary = CPUOffloadingManager(num_blocks, config.primary.policy, config.events.enabled)
+    primary = CPUOffloadingManager(
+        num_blocks,
+        config.primary.policy,
+        config.events.enabled,
+        store_threshold=config.primary.store_threshold,
+    )
     return TieringOffloadingManager(
         primary, tiers, pool=pool, enable_events=config.events.enabled, step_driven=step_driven
     )

@@ -243,6 +243,11 @@ class SecondaryTier:
             raise ConfigurationError(f"tier {self.name!r} already serves another manager")
         self._rows = rows
 
+    def detach(self) -> None:
+        """Drop the primary tier's rows (the manager shut down): the tier keeps no view of
+        memory its owner may unmap."""
+        self._rows = None
+
     def start_open(self) -> TierJob:
         """The job that opens the backend; :meth:`finish_open` takes its result."""
         return TierJob("open", self, (), self.backend.open())
