@@ -204,6 +204,16 @@ class SharedTier(SecondaryTier):
         self.metrics.cached_misses += 1
         return ABSENT
 
+    def is_unknown(self, key: bytes) -> bool:
+        """Whether nothing is known of ``key`` (no answer cached, not quarantined): what
+        :meth:`state` answers UNKNOWN for, without counting anything."""
+        return (
+            key not in self._known
+            and key not in self._quarantine
+            and self.status == "open"
+            and GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES
+        )
+
     def partition(self, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """``keys`` (deduplicated, in order) as (cached present, unknown); the others (cached
         absent, quarantined, not storable) are dropped."""

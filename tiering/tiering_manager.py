@@ -581,6 +581,19 @@ class TieringOffloadingManager(OffloadingManager):
 
     # -- the shared tier ---------------------------------------------------------------------------
 
+    def location_unknown(self, key: OffloadKey) -> bool:
+        """Whether a ``RETRY`` for ``key`` waits for the shared tier's existence check (no tier
+        knows where the key is: it may turn out absent) rather than for a promotion. For an
+        adapter whose engine tells the two apart (vLLM's ``RETRY`` / ``HIT_PENDING``). No side
+        effects."""
+        shared = self._shared
+        if shared is None or self.primary.lookup(key) is not False:
+            return False
+        for tier in self.tiers[:-1]:  # the shared tier is the last
+            if tier.state(key) is not ABSENT:
+                return False
+        return shared.is_unknown(key)
+
     def _lookup_shared(self, key: bytes, req_context: object) -> LookupResult:
         """A key no local tier holds and the shared tier knows nothing of: it joins the
         request's batch, to be asked about with the batch's other unknown keys: RETRY."""
