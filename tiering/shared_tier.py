@@ -29,7 +29,11 @@ So a :class:`SharedTier`
 - emits no events: its content changes without this node (other writers, the store's
   eviction), and a manager emits events only for state it owns, as vLLM's do; a router learning
   from events must not think a block in the shared store is this replica's.
-- forgets its cache at ``reset_cache`` and deletes nothing: the blocks are other nodes' too.
+- at ``reset_cache`` (which engines run after a weight update) stops reading and writing the
+  store for good (status ``reset``, logged once) and deletes nothing: the store may hold
+  blocks computed under the old weights, which this node must never serve, and the other
+  nodes' blocks are theirs. Restart the node with a fresh ``key_prefix`` (every node that
+  changed weights the same) to share again.
 
 Its jobs follow :mod:`tiering.tier`: the manager pins the primary rows a job uses, submits it,
 and hands its result back; the tier decides and counts (:class:`SharedTierMetrics`).
@@ -237,6 +241,8 @@ class SharedTier(SecondaryTier):
     def readable(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys a promotion may read: not known to be absent, not quarantined. (A key whose
         answer expired since its check is read anyway: if it is gone, the read says so.)"""
+        if self.status != "open":
+            return []
         known, quarantine = self._known, self._quarantine
         return [k for k in keys if known.get(k) is not False and k not in quarantine]
 
@@ -406,9 +412,20 @@ class SharedTier(SecondaryTier):
     # -- reset ------------------------------------------------------------------------------------
 
     def start_clear(self) -> TierJob | None:
-        """Forget every answer; delete nothing (the blocks are other nodes' too)."""
+        """Forget every answer and stop using the store (status ``reset``); delete nothing (see
+        the module docstring)."""
         self._known.clear()
         self._quarantine.clear()
         self._writing.clear()
         self._reading.clear()
+        if self.status == "open":
+            self.status = "reset"
+            self.open_error = "reset_cache: the store may hold blocks of the old weights"
+            logger.warning(
+                "shared tier %r was reset (reset_cache, e.g. after a weight update): it no longer "
+                "reads or writes its store, which may hold blocks computed under the old weights "
+                "and is other nodes' too (nothing was deleted). Restart with a new key_prefix "
+                "to share again",
+                self.name,
+            )
         return None

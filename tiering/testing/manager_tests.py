@@ -44,8 +44,7 @@ calls on every run for a step-driven manager; ``shutdown`` idempotent. With
 ``has_lower_tiers``: an evicted block is promoted back (``RETRY``, then ``HIT``) bit-exact.
 With ``shared_lower_tier`` (the lowest tier is shared with other managers: a
 :class:`~tiering.shared_tier.SharedTier`): a key no tier holds answers ``RETRY`` until the
-shared tier's existence check has settled, then ``MISS``; the shared tier emits no events, and
-``reset_cache`` leaves its blocks to the other managers (only the rest is checked to be gone).
+shared tier's existence check has settled, then ``MISS``; the shared tier emits no events.
 """
 
 from __future__ import annotations
@@ -103,8 +102,7 @@ class ManagerTests:
     #: Background results apply only at step boundaries, so answers are reproducible.
     step_driven: ClassVar[bool] = True
     #: The lowest tier is shared with other managers (its store is its own index): a key no
-    #: tier holds answers RETRY until an existence check settles; it emits no events and keeps
-    #: its blocks across reset_cache.
+    #: tier holds answers RETRY until an existence check settles; it emits no events.
     shared_lower_tier: ClassVar[bool] = False
 
     # -- hooks for subclasses --------------------------------------------------------------------
@@ -443,8 +441,7 @@ class ManagerTests:
         self.settle(manager)
         manager.take_events()
         manager.reset_cache()
-        # A shared tier keeps k(1) and k(2) for the other managers; k(3) never reached it.
-        for key in (k(3),) if self.shared_lower_tier else (k(1), k(2), k(3)):
+        for key in (k(1), k(2), k(3)):
             self.assert_miss(manager, key)
         removed = [e for e in self.primary_events(manager) if e.removed]
         assert sorted(key for e in removed for key in e.keys) == [k(1), k(2), k(3)]
