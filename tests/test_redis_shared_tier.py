@@ -594,3 +594,27 @@ def test_a_local_tier_before_the_shared_one_is_asked_first(
         assert stats["redis"]["existence_checks"] == 0 and stats["redis"]["promotions"] == 0
     finally:
         manager.shutdown()
+
+
+def test_location_unknown_tells_a_check_from_a_promotion(
+    redis_standalone: RedisServer, make_node: Any
+) -> None:
+    writer = make_node(redis_standalone)
+    reader = make_node(redis_standalone, step_driven=True)
+    stored, nobody = _key(1, "where"), _key(2, "where")
+    writer.store([stored])
+    assert reader.lookup([stored, nobody]) == [RETRY, RETRY]
+    manager = reader.manager
+    assert manager.location_unknown(stored) and manager.location_unknown(nobody)
+    manager.on_schedule_end()  # the check is sent
+    manager.wait_idle()  # ... and applied: stored is promoted, nobody is known absent
+    assert reader.lookup([stored, nobody]) == [HIT, MISS]
+    assert not manager.location_unknown(stored) and not manager.location_unknown(nobody)
+    assert not writer.manager.location_unknown(stored)  # in its CPU tier
+    plain = TieringOffloadingManager(
+        CPUOffloadingManager(4), [], pool=torch.zeros(4, BLOCK, dtype=torch.uint8)
+    )
+    try:
+        assert not plain.location_unknown(nobody)
+    finally:
+        plain.shutdown()
