@@ -72,6 +72,15 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "bench_vllm_dropin",
+        "vLLM drop-in against vLLM's own manager, per connector step",
+        "The calls one request makes in a scheduler step of vLLM 0.33's connector (64 chunk "
+        "lookups and loads, 16 evicting stores, request hooks), on tiering's TieringSpec and "
+        "on vLLM's own TieringOffloadingSpec, CPU tier only (target: 1.0 or more, as fast as "
+        "the manager it replaces).",
+        (),
+    ),
+    (
         "bench_eviction",
         "Eviction with pinned heads at 1e5 blocks",
         "Microseconds per victim when the oldest half of 100,000 blocks is pinned, against a "

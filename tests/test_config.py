@@ -367,8 +367,8 @@ BAD_INPUTS = [
     ),
     (
         "version: 1\nprimary: 4GiB\n",
-        r"tiering.yaml:2: primary: must be a mapping \(keys capacity, policy, copy_backend\), "
-        r"got str: '4GiB'",
+        r"tiering.yaml:2: primary: must be a mapping \(keys capacity, policy, store_threshold, "
+        r"copy_backend\), got str: '4GiB'",
     ),
     (
         "version: 1\nevents:\n  enabled: 'yes'\nprimary:\n  capacity: 1GiB\n",
@@ -836,7 +836,7 @@ def test_build_manager_with_memory_tier_and_explicit_geometry() -> None:
     config = parse_config(
         {
             "version": 1,
-            "primary": {"capacity": "4KiB", "policy": "arc"},
+            "primary": {"capacity": "4KiB", "policy": "arc", "store_threshold": 3},
             "secondary_tiers": [{"type": "memory", "capacity": "64KiB", "policy": "lru"}],
             "events": {"enabled": True},
         },
@@ -846,6 +846,7 @@ def test_build_manager_with_memory_tier_and_explicit_geometry() -> None:
     try:
         assert manager.primary.num_blocks == 4
         assert manager.primary.policy.name == "arc"
+        assert manager.store_threshold == 3
         assert manager.enable_events is True
         assert [type(t.backend) for t in manager.tiers] == [MemoryBackend]
         assert manager.row_bytes == 1024

@@ -322,8 +322,19 @@ def test_progress_draws_on_a_terminal_only() -> None:
         with ProgressBar(3, "replay", stream=terminal) as bar:
             for _ in range(3):
                 bar.update()
-    drawn = os.read(main_fd, 65536).decode()
+    # The kernel hands pty writes to the reader asynchronously: read until the closed
+    # terminal side says end-of-file (EIO), not once.
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
     os.close(main_fd)
+    drawn = b"".join(chunks).decode()
     assert "replay" in drawn and "3/3" in drawn
     pipe = io.StringIO()
     with ProgressBar(3, "replay", stream=pipe) as bar:

@@ -481,3 +481,88 @@ def test_step_driven_tiers_open_at_the_first_step_boundary() -> None:
         assert tier.status == "open" and not manager.has_pending_work()
     finally:
         manager.shutdown()
+
+
+def test_step_driven_lookup_reserves_the_promotion_slot_at_once(
+    harness_factory: type[Harness],
+) -> None:
+    """The answer is exact: RETRY means the primary slot is reserved (its eviction announced
+    now); MISS means the primary cannot make room this step."""
+    h = harness_factory(2, [memory_tier(8)], step_driven=True)
+    manager = h.manager
+    h.store(k(1), k(2))
+    h.settle()
+    h.store(k(3), k(4))  # 1 and 2 now only in the tier
+    h.settle()
+    manager.take_events()
+    manager.protect_for_step([k(3), k(4)], req_context="a")  # a loads 3 and 4 this step
+    assert manager.lookup_result(k(1), req_context="a") is LookupResult.MISS
+    assert manager.promotions_without_space == 1 and manager.take_events() == []
+    assert manager.lookup_result(k(1), req_context="b") is RETRY  # b protected nothing
+    assert manager.take_events() == [OffloadingEvent((k(3),), "CPU", True)]  # evicted now
+    assert manager.primary.lookup_result(k(1)) is LookupResult.HIT_PENDING  # slot reserved
+    manager.on_schedule_end()  # submits b's batch; a's protection ends with the step
+    h.settle()
+    assert manager.lookup_result(k(1), req_context="a") is LookupResult.HIT
+    h.assert_loaded_exact(k(1))
+
+
+def test_a_request_larger_than_the_primary_is_served_in_part_not_thrashed(
+    harness_factory: type[Harness],
+) -> None:
+    """Four blocks in the tier, two primary slots: the hit stops where the primary is full,
+    and once the request protects its hits, the answers no longer change step to step (no
+    promotion evicts the blocks an earlier one brought back)."""
+    h = harness_factory(2, [memory_tier(8)], step_driven=True)
+    manager = h.manager
+    keys = [k(1), k(2), k(3), k(4)]
+    for pair in (keys[:2], keys[2:], [k(5), k(6)]):
+        h.store(*pair)
+        h.settle()
+    answers = [manager.lookup_result(x, req_context="r") for x in keys]
+    assert answers == [RETRY, RETRY, LookupResult.MISS, LookupResult.MISS]
+    manager.on_schedule_end()
+    h.settle()
+    for _ in range(3):  # the engine's scan: protect each hit, stop at the first miss
+        answers = []
+        for x in keys:
+            answer = manager.lookup_result(x, req_context="r")
+            answers.append(answer)
+            if answer is not LookupResult.HIT:
+                break
+            manager.protect_for_step([x], req_context="r")
+        assert answers == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+        manager.on_schedule_end()
+        h.settle()
+    h.assert_loaded_exact(k(1), k(2))
+    assert manager.tiers[0].metrics.promotions == 1
+
+
+def test_shutdown_keeps_no_view_of_the_pool(tmp_path: Path) -> None:
+    """The pool may be a mapping its owner unmaps after the manager shut down (vLLM's shared
+    offload region): no view of it may survive the manager's shutdown."""
+    import mmap
+
+    import numpy as np
+
+    region = mmap.mmap(-1, 4 * ROW_BYTES)
+    rows = np.frombuffer(region, np.uint8).reshape(4, ROW_BYTES)[:, : ROW_BYTES // 2]
+    pool = torch.from_numpy(rows)
+    backend = FileBackend(
+        path=tmp_path / "nvme",
+        capacity_bytes=8 * slot_bytes_for(ROW_BYTES // 2),
+        block_bytes=ROW_BYTES // 2,
+        fingerprint=FINGERPRINT,
+    )
+    manager = TieringOffloadingManager(
+        CPUOffloadingManager(4), [SecondaryTier(backend)], pool=pool, step_driven=True
+    )
+    manager.wait_ready()
+    out = manager.prepare_store([k(1), k(2)])
+    assert out is not None
+    manager.complete_store([k(1), k(2)])  # cascades: the tier reads the rows
+    manager.wait_idle()
+    manager.shutdown()
+    del pool, rows
+    region.close()  # raises BufferError while anything still exports the mapping
+    assert region.closed

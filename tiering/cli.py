@@ -51,6 +51,7 @@ from tiering.config import (
     TierConfig,
     TieringConfig,
     build_backend,
+    build_tier,
     check_tier_directories,
     config_json_schema,
     layout_for_config,
@@ -121,10 +122,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         if isinstance(tier.settings, PluginSettings):
             blocks = "(plugin, imported when built)"  # checking a config runs no plugin code
         elif layout is not None:
-            # Constructing the backend validates its settings for this block size; no I/O.
-            backend = build_backend(
+            # Constructing the tier validates its settings (and a shared tier's) for this block
+            # size; no I/O.
+            backend = build_tier(
                 tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint
-            )
+            ).backend
             if backend.capacity_blocks == 0:
                 raise ConfigError(
                     f"{config.source}: tier {tier.name!r}: capacity "

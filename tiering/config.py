@@ -69,6 +69,7 @@ from tiering.registry import (
     check_backend_type,
     get_backend,
 )
+from tiering.shared_tier import SharedTier
 from tiering.tier import SecondaryTier, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
 from tiering.transfer import CopyBackend
@@ -189,6 +190,14 @@ class PrimaryConfig:
     policy: str = field(
         default="lru", metadata={"doc": "eviction policy: a registered name or 'module:Class'"}
     )
+    store_threshold: int = field(
+        default=1,
+        metadata={
+            "min": 1,
+            "doc": "offers to store a block needs before it is stored (vLLM's store_threshold; "
+            "1 stores every offer)",
+        },
+    )
     copy_backend: CopyBackend = field(
         default="auto",
         metadata={"doc": "how workers copy KV blocks to and from the pool (tiering.transfer)"},
@@ -224,6 +233,8 @@ class TierConfig:
     selective_min_lookups: int = 2
     max_inflight_jobs: int = 4
     quarantine_seconds: float = 10.0
+    existence_cache_seconds: float | None = None  # shared tiers only (None: SharedTier's default)
+    existence_cache_max_keys: int | None = None
     settings: object = field(default_factory=NoSettings)
 
     @property
@@ -254,6 +265,17 @@ class _TierKeys:
     )
     quarantine_seconds: float = field(
         default=10.0, metadata={"min": 0.0, "doc": "how long a failed key counts as absent"}
+    )
+    existence_cache_seconds: float | None = field(
+        default=None,
+        metadata={
+            "min": 0.001,
+            "doc": "shared tiers: how long an answer of the store is trusted (default 2)",
+        },
+    )
+    existence_cache_max_keys: int | None = field(
+        default=None,
+        metadata={"min": 1, "doc": "shared tiers: answers cached at most (default 65536)"},
     )
 
 
@@ -945,6 +967,8 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         selective_min_lookups=keys.selective_min_lookups,
         max_inflight_jobs=keys.max_inflight_jobs,
         quarantine_seconds=keys.quarantine_seconds,
+        existence_cache_seconds=keys.existence_cache_seconds,
+        existence_cache_max_keys=keys.existence_cache_max_keys,
         settings=settings,
     )
 
@@ -1277,14 +1301,16 @@ def build_tier(
     fingerprint: bytes,
     layout_description: Mapping[str, Any] | None = None,
 ) -> SecondaryTier:
-    """A :class:`SecondaryTier` over :func:`build_backend`'s backend."""
+    """A :class:`SecondaryTier` over :func:`build_backend`'s backend (a
+    :class:`~tiering.shared_tier.SharedTier` if the backend is shared); :class:`ConfigError` if
+    the tier's settings cannot work with it."""
     backend = build_backend(
         tier,
         block_bytes=block_bytes,
         fingerprint=fingerprint,
         layout_description=layout_description,
     )
-    return _wrap_tier(tier, backend)
+    return _wrap_tier(tier, backend, f"tier {tier.name!r} ({tier.type})")
 
 
 def wipe_tier(tier: TierConfig) -> Removal:
@@ -1439,6 +1465,7 @@ def build_manager(
     block_bytes: int | None = None,
     fingerprint: bytes | None = None,
     pool: Any = None,
+    step_driven: bool = False,
 ) -> TieringOffloadingManager:
     """A running manager: the CPU primary tier plus every secondary tier, in order.
 
@@ -1446,8 +1473,10 @@ def build_manager(
     ``fingerprint`` default to the ones ``config.model`` gives. ``pool`` (a
     :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
     directories are created here; tiers open in the background (call ``wait_ready()`` to wait
-    and surface open errors). Raises :class:`ConfigError` before creating anything if a tier
-    cannot be built. The plugins the config names are imported here (:func:`resolve_plugins`).
+    and surface open errors). ``step_driven`` is the manager's (an engine adapter sets it; see
+    :class:`TieringOffloadingManager`). Raises :class:`ConfigError` before creating anything if
+    a tier cannot be built. The plugins the config names are imported here
+    (:func:`resolve_plugins`).
     """
     config = resolve_plugins(config)
     description = None
@@ -1478,13 +1507,23 @@ def build_manager(
         )
         for tier in config.secondary_tiers
     ]
-    tiers = [_wrap_tier(t, b) for t, b in zip(config.secondary_tiers, backends, strict=True)]
+    tiers = [
+        _wrap_tier(t, b, f"{config.source}: secondary_tiers[{i}] ({t.name!r})")
+        for i, (t, b) in enumerate(zip(config.secondary_tiers, backends, strict=True))
+    ]
     for tier in config.secondary_tiers:
         _make_directory(tier)
     if pool is None:
         pool = build_pool(config, block_bytes=block_bytes)
-    primary = CPUOffloadingManager(num_blocks, config.primary.policy, config.events.enabled)
-    return TieringOffloadingManager(primary, tiers, pool=pool, enable_events=config.events.enabled)
+    primary = CPUOffloadingManager(
+        num_blocks,
+        config.primary.policy,
+        config.events.enabled,
+        store_threshold=config.primary.store_threshold,
+    )
+    return TieringOffloadingManager(
+        primary, tiers, pool=pool, enable_events=config.events.enabled, step_driven=step_driven
+    )
 
 
 def _create_backend(
@@ -1515,16 +1554,47 @@ def _create_backend(
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def _wrap_tier(tier: TierConfig, backend: StorageBackend) -> SecondaryTier:
-    return SecondaryTier(
-        backend,
-        name=tier.name,
-        policy=tier.policy,
-        write_policy=tier.write_policy,
-        selective_min_lookups=tier.selective_min_lookups,
-        max_inflight_jobs=tier.max_inflight_jobs,
-        quarantine_seconds=tier.quarantine_seconds,
-    )
+def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> SecondaryTier:
+    """The tier over ``backend``: a :class:`SharedTier` when the backend says its store is
+    shared (``capabilities.shared``), which refuses what cannot work there (a policy, since
+    the store evicts; write_back); the existence-cache keys only for such a tier."""
+    try:
+        if backend.capabilities.shared:
+            if tier.policy != "lru":
+                raise ConfigurationError(
+                    f"policy {tier.policy!r}: a shared tier keeps no eviction order (the store "
+                    "evicts, e.g. Redis's maxmemory-policy); remove policy"
+                )
+            cache: dict[str, Any] = {}
+            if tier.existence_cache_seconds is not None:
+                cache["existence_cache_seconds"] = tier.existence_cache_seconds
+            if tier.existence_cache_max_keys is not None:
+                cache["existence_cache_max_keys"] = tier.existence_cache_max_keys
+            return SharedTier(
+                backend,
+                name=tier.name,
+                write_policy=tier.write_policy,
+                selective_min_lookups=tier.selective_min_lookups,
+                max_inflight_jobs=tier.max_inflight_jobs,
+                quarantine_seconds=tier.quarantine_seconds,
+                **cache,
+            )
+        if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
+            raise ConfigurationError(
+                "existence_cache_seconds and existence_cache_max_keys apply to shared tiers "
+                f"only, and the {tier.type!r} backend is not shared here"
+            )
+        return SecondaryTier(
+            backend,
+            name=tier.name,
+            policy=tier.policy,
+            write_policy=tier.write_policy,
+            selective_min_lookups=tier.selective_min_lookups,
+            max_inflight_jobs=tier.max_inflight_jobs,
+            quarantine_seconds=tier.quarantine_seconds,
+        )
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
 
 
 def _make_directory(tier: TierConfig) -> None:

@@ -380,12 +380,19 @@ class CPUOffloadingManager(OffloadingManager):
             self._free_slot(slot)
 
     def reserve_for_promotion(
-        self, keys: list[OffloadKey], req_context: object = None
+        self,
+        keys: list[OffloadKey],
+        req_context: object = None,
+        *,
+        protected: Collection[bytes] = (),
     ) -> PrepareStoreOutput | None:
         """:meth:`prepare_store` for blocks read back from a lower tier: no admission count
-        (a promotion is not an offer) and no argument checks (the keys are the tier's own)."""
+        (a promotion is not an offer) and no argument checks (the keys are the tier's own).
+        ``protected`` keys are not evicted to make room (nor are ``keys``)."""
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(keys) if k not in slots_of]
+        if protected:
+            return self._reserve([*keys, *map(OffloadKey, protected)], to_store, req_context)
         return self._reserve(keys, to_store, req_context)
 
     def pin(self, keys: list[OffloadKey]) -> None:

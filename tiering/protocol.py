@@ -387,4 +387,5 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def shutdown(self) -> None:
-        """Release every resource (threads, open tiers); idempotent."""
+        """Release every resource (threads, open tiers, views of the primary tier's memory);
+        idempotent."""

@@ -86,6 +86,8 @@ GENERIC_TIER_KEYS = (
     "selective_min_lookups",
     "max_inflight_jobs",
     "quarantine_seconds",
+    "existence_cache_seconds",
+    "existence_cache_max_keys",
 )
 #: Backend and tier names: a letter, then up to 63 letters, digits, '_' or '-'.
 NAME_PATTERN = r"[A-Za-z][A-Za-z0-9_-]{0,63}"

@@ -16,6 +16,13 @@ The tiers own their jobs (:mod:`tiering.tier`): a tier decides what to write or 
 room, counts, and builds the I/O; this manager only holds the primary rows a job uses, submits
 the job, emits its events, and hands its result back to the tier.
 
+A shared tier (:mod:`tiering.shared_tier`, at most one, the last) has no index: a key that no
+local tier holds, and that the shared tier knows nothing of (``TierKeyState.UNKNOWN``), joins its
+request's batch like a promotion and answers ``RETRY``; the batch's unknown keys become one
+existence check of the shared tier, and the keys it finds are promoted when its result applies.
+Without a shared tier none of this runs: no tier answers UNKNOWN, and an absent key takes the
+same branches as before.
+
 Threads. Every protocol call runs on the caller's thread and never blocks on I/O: jobs run on a
 private I/O loop thread (:class:`~tiering.io_loop.IOLoop`); a finished job only enqueues its
 result, which is applied on the caller's thread. All metadata is therefore touched by one
@@ -29,7 +36,11 @@ of its keys is asked for again, or at :meth:`take_events`, :meth:`on_schedule_en
 sets): only at :meth:`on_schedule_end`, :meth:`drain`, :meth:`wait_idle` (and
 :meth:`reset_cache`, :meth:`shutdown`), where every request's promotion batch of the step is
 submitted too. Between two step boundaries nothing the I/O thread does changes an answer, so a
-given sequence of calls gives the same answers on every run once each step's I/O is done.
+given sequence of calls gives the same answers on every run once each step's I/O is done. A
+step-driven :meth:`lookup_result` reserves the promotion's primary slot at once (as vLLM's own
+tiering manager does), so its answer is exact: ``RETRY`` when the promotion is on its way,
+``MISS`` when the primary cannot make room this step without evicting a key the request
+protected (:meth:`protect_for_step`).
 
 Asyncio users drive the same machinery with ``async with``, :meth:`drain` and
 :meth:`lookup_async`; blocking helpers (:meth:`wait_idle`, :meth:`reset_cache`,
@@ -47,6 +58,7 @@ from types import TracebackType
 from typing import Any, Protocol, Self, cast
 
 import cachetools
+import numpy as np
 import torch
 
 from tiering.errors import ConfigurationError, TieringError
@@ -72,6 +84,7 @@ from tiering.protocol import (
     reject_positional,
     request_key,
 )
+from tiering.shared_tier import SharedTier
 from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
 
 __all__ = ["TieringOffloadingManager"]
@@ -89,10 +102,19 @@ _Finished = tuple[Callable[[TierJob, Any], None], TierJob, object]
 
 @dataclass
 class _PromotionBatch:
-    """Keys one request found in secondary tiers, per tier index, not submitted yet."""
+    """Keys one request found in secondary tiers, per tier index, not submitted yet.
+
+    ``slots`` holds the primary slot of each key reserved when it was looked up (step-driven
+    single-key lookups); the other keys get theirs when the batch is submitted."""
 
     req_context: object
     by_tier: dict[int, list[bytes]] = field(default_factory=dict)
+    slots: dict[bytes, int] = field(default_factory=dict)
+
+
+#: A promotion waiting for a job slot of its tier: the context, the keys and, if reserved, their
+#: primary slots.
+_Waiting = tuple[object, list[bytes], list[int] | None]
 
 
 class TieringOffloadingManager(OffloadingManager):
@@ -170,7 +192,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._promoting: dict[bytes, int] = {}  # key -> tier index: waiting or in flight
         self._batches: dict[Hashable, _PromotionBatch] = {}  # by request key, not submitted
         self._batched: dict[bytes, Hashable] = {}  # key -> the request whose batch holds it
-        self._waiting: dict[int, list[tuple[object, list[bytes]]]] = {}  # for a job slot
+        self._waiting: dict[int, list[_Waiting]] = {}  # for a job slot
+        # Keys a request counts on in this step (protect_for_step): promotions never evict them.
+        self._step_protected: dict[Hashable, set[bytes]] = {}
         self._counts_lookups = any(
             t.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE for t in self.tiers
         )
@@ -182,6 +206,20 @@ class TieringOffloadingManager(OffloadingManager):
         self._stats_seen: ManagerStats = {}
         self._closed = False
         self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
+        shared = [i for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)]
+        if len(shared) > 1:
+            raise ConfigurationError(
+                f"at most one shared tier, got {[self.tiers[i].name for i in shared]}"
+            )
+        if shared and shared[0] != len(self.tiers) - 1:
+            raise ConfigurationError(
+                f"the shared tier {self.tiers[shared[0]].name!r} must be the last tier: a "
+                "lookup asks it only once every local tier has missed"
+            )
+        self._shared_index = shared[0] if shared else -1
+        self._shared: SharedTier | None = (
+            cast(SharedTier, self.tiers[shared[0]]) if shared else None
+        )
         if self._write_back_tiers:
             primary.set_eviction_hook(self._on_primary_evict)
         self._epoch = -1  # the tiers open before the first step: its boundary applies them
@@ -331,11 +369,19 @@ class TieringOffloadingManager(OffloadingManager):
                 if not self.step_driven:
                     self._flush_promotions()  # asked again: stop batching, start it now
                 return RETRY
+            if self.step_driven:
+                # Reserve its primary slot now, so the answer is exact: RETRY if the promotion
+                # is on its way, MISS if the primary cannot make room for it this step.
+                return RETRY if self._reserve_promotion(key, index, req_context, owner) else MISS
             self._batch_promotion(key, index, req_context, owner)
             return RETRY
         if self._counts_lookups:
             self._count_lookup(key)
-        return HIT_PENDING if state is TierKeyState.WRITING else MISS
+        if state is ABSENT:
+            return MISS
+        if state is TierKeyState.WRITING:
+            return HIT_PENDING
+        return self._lookup_shared(key, req_context)  # UNKNOWN: only a shared tier says it
 
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], *misplaced: object, req_context: object = None
@@ -417,6 +463,8 @@ class TieringOffloadingManager(OffloadingManager):
         if state is TierKeyState.READY:
             self.tiers[index].count_lookup_hit()
             promotable[key] = index
+        elif state is TierKeyState.UNKNOWN:  # a shared tier: asked with the request's batch
+            promotable[key] = index
         return KeyState.PENDING
 
     def locate(self, key: OffloadKey) -> str | None:
@@ -445,12 +493,41 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _batch_promotion(
         self, key: bytes, index: int, req_context: object, owner: Hashable
-    ) -> None:
+    ) -> _PromotionBatch:
         batch = self._batches.get(owner)
         if batch is None:
             batch = self._batches[owner] = _PromotionBatch(req_context)
         batch.by_tier.setdefault(index, []).append(key)
         self._batched[key] = owner
+        return batch
+
+    def _reserve_promotion(
+        self, key: bytes, index: int, req_context: object, owner: Hashable
+    ) -> bool:
+        """Step-driven lookup of a key only tier ``index`` holds: reserve its primary slot now
+        (evicting, but never a key the request protected for the step) and batch it; False,
+        counted, if the primary cannot make room."""
+        out = self.primary.reserve_for_promotion(
+            [OffloadKey(key)], req_context, protected=self._step_protected.get(owner, ())
+        )
+        self._pull_primary_events()
+        if out is None or not out.keys_to_store:
+            self.promotions_without_space += 1
+            return False
+        batch = self._batch_promotion(key, index, req_context, owner)
+        batch.slots[key] = int(out.store_spec.block_ids[0])
+        self._promoting[key] = index
+        return True
+
+    def protect_for_step(self, keys: Iterable[OffloadKey], *, req_context: object = None) -> None:
+        """Keys ``req_context``'s request counts on in this step (e.g. lookup hits it is about
+        to load): until the next :meth:`on_schedule_end` (or reset), no promotion started for
+        that request evicts them from the primary to make room. A promotion that cannot get a
+        slot otherwise is a ``MISS`` (step-driven) or counted in ``promotions_without_space``."""
+        self._check_open()
+        key_list = check_keys(keys)
+        owner = request_key(req_context)
+        self._step_protected.setdefault(owner, set()).update(key_list)
 
     def _promote(self, promotable: dict[bytes, int], req_context: object) -> None:
         """Promote keys a prefix or hybrid lookup needs: now (standalone) or with the request's
@@ -475,11 +552,26 @@ class TieringOffloadingManager(OffloadingManager):
         batches, self._batches = self._batches, {}
         self._batched.clear()
         for batch in batches.values():
-            self._start_promotions(batch.by_tier, batch.req_context)
+            if not batch.slots:
+                self._start_promotions(batch.by_tier, batch.req_context)
+                continue
+            unreserved: dict[int, list[bytes]] = {}
+            for index, keys in batch.by_tier.items():
+                reserved = [k for k in keys if k in batch.slots]
+                if reserved:
+                    slots = [batch.slots[k] for k in reserved]
+                    self._start_reserved_promotion(index, reserved, slots, batch.req_context)
+                rest = [k for k in keys if k not in batch.slots]
+                if rest:
+                    unreserved[index] = rest
+            if unreserved:
+                self._start_promotions(unreserved, batch.req_context)
 
     def _start_promotions(self, by_tier: dict[int, list[bytes]], req_context: object) -> None:
         for index, keys in by_tier.items():
             keys = [k for k in dict.fromkeys(keys) if k not in self._promoting]
+            if index == self._shared_index:
+                keys = self._check_shared(keys, req_context)
             if not keys:
                 continue
             if not self.tiers[index].has_capacity_for_job:
@@ -487,8 +579,64 @@ class TieringOffloadingManager(OffloadingManager):
                 continue
             self._start_promotion(index, keys, req_context)
 
+    # -- the shared tier ---------------------------------------------------------------------------
+
+    def location_unknown(self, key: OffloadKey) -> bool:
+        """Whether a ``RETRY`` for ``key`` waits for the shared tier's existence check (no tier
+        knows where the key is: it may turn out absent) rather than for a promotion. For an
+        adapter whose engine tells the two apart (vLLM's ``RETRY`` / ``HIT_PENDING``). No side
+        effects."""
+        shared = self._shared
+        if shared is None or self.primary.lookup(key) is not False:
+            return False
+        for tier in self.tiers[:-1]:  # the shared tier is the last
+            if tier.state(key) is not ABSENT:
+                return False
+        return shared.is_unknown(key)
+
+    def _lookup_shared(self, key: bytes, req_context: object) -> LookupResult:
+        """A key no local tier holds and the shared tier knows nothing of: it joins the
+        request's batch, to be asked about with the batch's other unknown keys: RETRY."""
+        owner = request_key(req_context)
+        if key in self._batched:
+            if not self.step_driven:
+                self._flush_promotions()  # asked again: stop batching, ask now
+            return RETRY
+        self._batch_promotion(key, self._shared_index, req_context, owner)
+        return RETRY
+
+    def _check_shared(self, keys: list[bytes], req_context: object) -> list[bytes]:
+        """Submit one existence check for the keys the shared tier knows nothing of (RETRY
+        while it runs); return the keys it knows are present, to promote now."""
+        shared = cast(SharedTier, self._shared)
+        present, unknown = shared.partition(keys)
+        primary = self.primary
+        unknown = [k for k in unknown if k not in primary]
+        if unknown:
+            job = shared.start_check(unknown, req_context=req_context)
+            if job is not None:
+                for key in job.keys:
+                    self._promoting[key] = self._shared_index
+                self._submit(job, self._check_done)
+        return present
+
+    def _check_done(self, job: TierJob, result: object) -> None:
+        """Promote the keys an existence check found (the tier cached every answer)."""
+        shared = cast(SharedTier, self._shared)
+        present = shared.finish_check(job, result)
+        promoting = self._promoting
+        for key in job.keys:
+            promoting.pop(key, None)
+        keys = [k for k in present if k not in promoting]
+        if not keys:
+            return
+        if shared.has_capacity_for_job:
+            self._start_promotion(self._shared_index, keys, job.req_context)
+        else:
+            self._wait_for_job_slot(self._shared_index, keys, job.req_context)
+
     def _wait_for_job_slot(self, index: int, keys: list[bytes], req_context: object) -> None:
-        self._waiting.setdefault(index, []).append((req_context, keys))
+        self._waiting.setdefault(index, []).append((req_context, keys, None))
         for key in keys:
             self._promoting[key] = index
 
@@ -498,11 +646,14 @@ class TieringOffloadingManager(OffloadingManager):
             if not tier.has_capacity_for_job:
                 continue
             entries = self._waiting.pop(index)  # a promotion may queue itself again meanwhile
-            for n, (req_context, keys) in enumerate(entries):
+            for n, (req_context, keys, slots) in enumerate(entries):
                 if not tier.has_capacity_for_job:
                     self._waiting[index] = entries[n:] + self._waiting.get(index, [])
                     break
-                self._start_promotion(index, keys, req_context)
+                if slots is None:
+                    self._start_promotion(index, keys, req_context)
+                else:
+                    self._start_reserved_promotion(index, keys, slots, req_context)
 
     def _start_promotion(self, index: int, keys: list[bytes], req_context: object) -> None:
         tier = self.tiers[index]
@@ -512,7 +663,10 @@ class TieringOffloadingManager(OffloadingManager):
         keys = [k for k in tier.readable(keys) if k not in primary]
         if not keys:
             return
-        out = primary.reserve_for_promotion(cast("list[OffloadKey]", keys), req_context)
+        protected = self._step_protected.get(request_key(req_context), ())
+        out = primary.reserve_for_promotion(
+            cast("list[OffloadKey]", keys), req_context, protected=protected
+        )
         self._pull_primary_events()
         if out is None:
             if self._draining:
@@ -527,6 +681,28 @@ class TieringOffloadingManager(OffloadingManager):
         )
         for key in job.keys:
             self._promoting[key] = index
+        self._submit(job, self._promotion_done)
+
+    def _start_reserved_promotion(
+        self, index: int, keys: list[bytes], slots: list[int], req_context: object
+    ) -> None:
+        """Read keys into the primary slots reserved for them at lookup. A key the tier no
+        longer holds (evicted by a store since) gives its slot back."""
+        tier = self.tiers[index]
+        readable = set(tier.readable(keys))
+        if len(readable) < len(keys):
+            gone = [k for k in keys if k not in readable]
+            for key in gone:
+                self._promoting.pop(key, None)
+            self.primary.complete_store(cast("list[OffloadKey]", gone), success=False)
+            pairs = [(k, s) for k, s in zip(keys, slots, strict=True) if k in readable]
+            keys, slots = [k for k, _ in pairs], [s for _, s in pairs]
+            if not keys:
+                return
+        if not tier.has_capacity_for_job:
+            self._waiting.setdefault(index, []).append((req_context, keys, slots))
+            return
+        job = tier.start_promotion(keys, slots, req_context=req_context)
         self._submit(job, self._promotion_done)
 
     def _promotion_done(self, job: TierJob, result: object) -> None:
@@ -682,6 +858,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._check_open()
         self._process_finished(before_epoch=self._epoch if self.step_driven else None)
         self._flush_promotions()
+        self._step_protected.clear()
         self._epoch += 1
 
     def has_pending_work(self) -> bool:
@@ -868,6 +1045,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._batches.clear()
         self._batched.clear()
         self._waiting.clear()
+        self._step_protected.clear()
         for tier in self.tiers:
             job = tier.start_clear()
             if job is not None:
@@ -876,7 +1054,8 @@ class TieringOffloadingManager(OffloadingManager):
         self.wait_idle()
 
     def shutdown(self) -> None:
-        """Drain in-flight jobs, close every tier and stop the I/O loop; idempotent."""
+        """Drain in-flight jobs, close every tier, stop the I/O loop and drop every view of the
+        pool (its owner may unmap it next); idempotent."""
         if self._closed:
             return
         try:
@@ -893,6 +1072,15 @@ class TieringOffloadingManager(OffloadingManager):
         self._closed = True
         self._io.close()
         self.primary.shutdown()
+        # Keep no view of the pool: its owner may unmap it next (vLLM's shared offload region
+        # refuses to unmap while any buffer still exports it).
+        self._jobs.clear()
+        self._done.clear()
+        self._waiting.clear()
+        self._batches.clear()
+        self._rows = np.empty((0, self.row_bytes), np.uint8)
+        for tier in self.tiers:
+            tier.detach()
 
     def __del__(self) -> None:
         io = getattr(self, "_io", None)

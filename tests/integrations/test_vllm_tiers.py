@@ -180,8 +180,8 @@ def test_store_cascade_evict_and_promote_bit_exact(
     # The CPU tier's store, then each tier's: STORAGE, owned by the tier's name.
     assert trace["events_after_a"] == [
         EventRecord(tuple(a), "CPU", False, None),
-        EventRecord(tuple(a), "STORAGE", False, "nvme"),
-        EventRecord(tuple(a), "STORAGE", False, "lmdb"),
+        EventRecord(tuple(a), "STORAGE", False, "nvme", removal_expected=True),
+        EventRecord(tuple(a), "STORAGE", False, "lmdb", removal_expected=True),
     ]
     # B takes A's rows: the CPU tier evicted all of A, so A's bytes now live only below it.
     assert trace["store_b"] == ([0, 1, 2, 3], sorted(a))
@@ -193,8 +193,8 @@ def test_store_cascade_evict_and_promote_bit_exact(
     assert [(e.keys, e.removed) for e in cpu_events if e.keys == tuple(b)] == [(tuple(b), False)]
     assert EventRecord(tuple(a), "CPU", False, None) in cpu_events  # promoted in
     assert [e for e in trace["events_after_promotion"] if e.medium == "STORAGE"] == [
-        EventRecord(tuple(b), "STORAGE", False, "nvme"),
-        EventRecord(tuple(b), "STORAGE", False, "lmdb"),
+        EventRecord(tuple(b), "STORAGE", False, "nvme", removal_expected=True),
+        EventRecord(tuple(b), "STORAGE", False, "lmdb", removal_expected=True),
     ]
     assert trace["counters"] == {
         (TieringTierMetrics.STORED_BLOCKS, ("nvme",)): 8,
@@ -443,6 +443,15 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
         ({"backend": "memory", "capacity": "1MiB", "tier": "x"}, "'tier' names a tier"),
         ({"tiering_config": "t.yaml", "backend": "memory"}, "not both"),
         ({"tiering_config": "/nonexistent/t.yaml"}, "/nonexistent/t.yaml"),
+        (
+            {
+                "backend": "redis",
+                "capacity": "1GiB",
+                "url": "redis://127.0.0.1:1/0",
+                "shared": True,
+            },
+            "backend is shared",
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_tier_entry_is_a_config_error_naming_it(entry: dict[str, Any], message: str) -> None:
@@ -480,9 +489,9 @@ def test_an_engine_step_loop_loads_a_prompt_back_from_the_tiers(tmp_path: Path) 
         # only the 3 new ones computed.
         assert [s for s in trace if s] == [{"a-again": 3}]
         loaded = engine.loaded_blocks["a-again"]
-        assert [index for index, _ in loaded] == [0, 1, 2, 3]
-        for index, data in loaded:
-            assert data == engine.block_content(request.block_hashes[index]).tobytes()
+        assert [(group, index) for group, index, _ in loaded] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+        for group, index, data in loaded:
+            assert data == engine.block_content(request.block_hashes[index], group).tobytes()
         nvme, lmdb = engine.manager.secondary_tiers  # type: ignore[attr-defined]
         assert (nvme.name, nvme.backend.stats.hits, lmdb.backend.stats.hits) == ("nvme", 4, 0)
     finally:

@@ -2,14 +2,17 @@
 
 Everything here is vLLM's own code, configured as its engine core configures it: a
 ``VllmConfig`` built from a small local model config (``data/tiny-llama``; no hub access), a
-``KVCacheConfig`` with one full-attention group, the ``OffloadingConfig`` vLLM derives from them
+``KVCacheConfig`` with one full-attention group (or, ``sliding_window`` given, a hybrid one: a
+full-attention group and a sliding-window group), the ``OffloadingConfig`` vLLM derives from them
 (``build_offloading_config``), the spec ``OffloadingSpecFactory`` creates from it, and, for the end
 to end tests, vLLM's ``Scheduler`` with its ``OffloadingConnector``. What vLLM would run on a GPU
 is played here: the worker maps the CPU tier's shared region with vLLM's ``SharedOffloadRegion``
 and moves bytes between it and a numpy array standing for the GPU KV cache.
 
 Tier I/O finishes while the model runs; the drivers make that explicit by draining every tier's
-jobs between steps (``drain_tiers``), so a scenario gives the same answers on every run.
+jobs between steps (``drain_tiers``), so a scenario gives the same answers on every run. With
+tiering's drop-in (``TieringSpec``) a tier's results apply at the second step boundary after
+its job started (the first comes before the model step that hides the I/O): ``settle``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -89,23 +93,51 @@ def attention_spec(dtype: torch.dtype = torch.float16) -> FullAttentionSpec:
     )
 
 
-def gpu_block_bytes() -> int:
-    """KV bytes of one GPU block over all layers (what one offloaded chunk holds)."""
-    return int(attention_spec().page_size_bytes) * len(LAYERS)
+def gpu_block_bytes(sliding_window: int | None = None) -> int:
+    """KV bytes of one GPU block over all layers of its group (what one offloaded chunk holds):
+    both layers with one group, one layer per group in the hybrid layout."""
+    layers = len(LAYERS) if sliding_window is None else 1
+    return int(attention_spec().page_size_bytes) * layers
 
 
-def kv_cache_config(num_gpu_blocks: int) -> KVCacheConfig:
-    """One full-attention group; each layer's pages contiguous (layer-outermost)."""
+def kv_cache_config(num_gpu_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+    """One full-attention group, each layer's pages contiguous (layer-outermost); or, with
+    ``sliding_window`` (tokens), a hybrid model: layer 0 full attention, layer 1 a sliding
+    window, each group in a tensor of its own (vLLM's hybrid allocator shares block ids)."""
     page = int(attention_spec().page_size_bytes)
-    tensor = KVCacheTensor(
-        size=page * len(LAYERS) * num_gpu_blocks,
-        layers=list(LAYERS),
-        layer_stride=page * num_gpu_blocks,
-        block_stride=page,
+    if sliding_window is None:
+        tensor = KVCacheTensor(
+            size=page * len(LAYERS) * num_gpu_blocks,
+            layers=list(LAYERS),
+            layer_stride=page * num_gpu_blocks,
+            block_stride=page,
+        )
+        group = KVCacheGroupSpec(list(LAYERS), attention_spec())
+        return KVCacheConfig(
+            num_blocks=num_gpu_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[group]
+        )
+    window = SlidingWindowSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=_KV_HEADS,
+        head_size=_HEAD_SIZE,
+        dtype=torch.float16,
+        sliding_window=sliding_window,
     )
-    group = KVCacheGroupSpec(list(LAYERS), attention_spec())
+    tensors = [
+        KVCacheTensor(
+            size=page * num_gpu_blocks,
+            layers=[layer],
+            layer_stride=page * num_gpu_blocks,
+            block_stride=page,
+        )
+        for layer in LAYERS
+    ]
+    groups = [
+        KVCacheGroupSpec([LAYERS[0]], attention_spec()),
+        KVCacheGroupSpec([LAYERS[1]], window),
+    ]
     return KVCacheConfig(
-        num_blocks=num_gpu_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[group]
+        num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
     )
 
 
@@ -115,23 +147,33 @@ def vllm_config(
     engine_id: str | None = None,
     num_gpu_blocks: int = 16,
     enable_events: bool = True,
+    max_model_len: int = 256,
+    transfer: KVTransferConfig | None = None,
 ) -> VllmConfig:
-    """A CPU ``VllmConfig`` for the tiny model with the OffloadingConnector."""
+    """A CPU ``VllmConfig`` for the tiny model with the OffloadingConnector (``transfer`` as
+    given, e.g. parsed from a documented ``--kv-transfer-config``, else one built here)."""
     model = ModelConfig(
-        model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float16", max_model_len=256
+        model=str(MODEL_DIR),
+        skip_tokenizer_init=True,
+        dtype="float16",
+        max_model_len=max_model_len,
     )
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        engine_id=engine_id or f"{ENGINE_ID_PREFIX}{uuid.uuid4().hex}",
-        kv_connector_extra_config=dict(extra_config),
-    )
+    if transfer is None:
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id=engine_id or f"{ENGINE_ID_PREFIX}{uuid.uuid4().hex}",
+            kv_connector_extra_config=dict(extra_config),
+        )
     config = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=transfer,
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256, is_encoder_decoder=False
+            max_num_batched_tokens=max(256, max_model_len),
+            max_num_seqs=8,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
         ),
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=enable_events, publisher="null"),
@@ -146,6 +188,7 @@ def offloading_config(
     engine_id: str | None = None,
     num_gpu_blocks: int = 16,
     enable_events: bool = True,
+    sliding_window: int | None = None,
 ) -> OffloadingConfig:
     """The ``OffloadingConfig`` vLLM's connector builds for this engine."""
     config = vllm_config(
@@ -154,7 +197,7 @@ def offloading_config(
         num_gpu_blocks=num_gpu_blocks,
         enable_events=enable_events,
     )
-    return build_offloading_config(config, kv_cache_config(num_gpu_blocks))
+    return build_offloading_config(config, kv_cache_config(num_gpu_blocks, sliding_window))
 
 
 def tiering_spec_extra(cpu_chunks: int, tiers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -183,6 +226,15 @@ def keys_for(prefix: str, count: int) -> list[OffloadKey]:
     return [
         make_offload_key(hashlib.sha256(f"{prefix}{i}".encode()).digest(), 0) for i in range(count)
     ]
+
+
+def wait_for_io(manager: OffloadingManager) -> None:
+    """Let a manager's tier I/O finish, whichever spec built it."""
+    wait = getattr(manager, "wait_for_tier_io", None)
+    if wait is not None:
+        wait()
+    for tier in getattr(manager, "secondary_tiers", []):
+        tier.drain_jobs()
 
 
 class WorkerRows:
@@ -219,10 +271,19 @@ class EventRecord:
     medium: str
     removed: bool
     ownership: str | None
+    removal_expected: bool = False
+    metadata_only: bool = False
 
     @classmethod
     def of(cls, event: OffloadingEvent) -> EventRecord:
-        return cls(tuple(event.keys), event.medium.value, event.removed, event.ownership)
+        return cls(
+            tuple(event.keys),
+            event.medium.value,
+            event.removed,
+            event.ownership,
+            event.removal_expected,
+            event.metadata_only,
+        )
 
 
 @dataclass
@@ -249,8 +310,14 @@ class ManagerDriver:
 
     def drain_tiers(self) -> None:
         """Let the tiers' I/O finish, as it does while the model runs a step."""
-        for tier in self.tiers:
-            tier.drain_jobs()
+        wait_for_io(self.manager)
+
+    def settle(self) -> None:
+        """Two step boundaries with the tiers' I/O done before each: everything started so far
+        has applied (tiering's drop-in applies a job's result at the second boundary)."""
+        for _ in range(2):
+            self.drain_tiers()
+            self.end_step()
 
     def new_request(self, req_id: str) -> ReqContext:
         context = ReqContext(req_id=req_id)
@@ -315,8 +382,10 @@ class EngineDriver:
     Completed jobs go back through ``ModelRunnerOutput.kv_connector_output``.
     """
 
-    def __init__(self, config: VllmConfig, num_gpu_blocks: int) -> None:
-        kv_config = kv_cache_config(num_gpu_blocks)
+    def __init__(
+        self, config: VllmConfig, num_gpu_blocks: int, sliding_window: int | None = None
+    ) -> None:
+        kv_config = kv_cache_config(num_gpu_blocks, sliding_window)
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
         kv_config.hash_block_size = hash_block_size
         kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
@@ -336,23 +405,31 @@ class EngineDriver:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(hash_block_size, hash_fn)
-        region_rows = self.manager.primary_tier.get_kv_memoryview()
-        self.row_bytes = gpu_block_bytes()
+        # The worker's geometry, from the spec vLLM builds (building one opens nothing).
+        spec = OffloadingSpecFactory.create_spec(build_offloading_config(config, kv_config))
+        assert isinstance(spec, CPUOffloadingSpec)
+        self.row_bytes = gpu_block_bytes(sliding_window)
+        assert spec.cpu_page_size_per_worker == self.row_bytes
         self.region = SharedOffloadRegion(
             engine_id=config.kv_transfer_config.engine_id,
-            num_chunks=region_rows.shape[0],
+            num_chunks=spec.num_chunks,
             rank=0,
-            kv_bytes_per_chunk=region_rows.strides[0],
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
             cpu_page_size=self.row_bytes,
         )
         self.rows = self.region.create_next_worker_view(self.row_bytes).numpy().view(np.uint8)
+        # One array stands for every group's tensor: vLLM's hybrid allocator gives a block id
+        # to one group at a time, and row i of the array is block i's page.
         self.gpu = np.zeros((num_gpu_blocks, self.row_bytes), np.uint8)
+        self.num_groups = len(kv_config.kv_cache_groups)
         self._pending_stores: list[tuple[int, list[int], list[int]]] = []
         self._completed = OffloadingWorkerMetadata()
-        self.loaded_blocks: dict[str, list[tuple[int, bytes]]] = {}  # req -> (block idx, bytes)
+        # req -> (group, block index, bytes) of every block a load wrote
+        self.loaded_blocks: dict[str, list[tuple[int, int, bytes]]] = {}
 
-    def block_content(self, block_hash: bytes) -> np.ndarray:
-        return payload(block_hash, self.row_bytes)
+    def block_content(self, block_hash: bytes, group: int = 0) -> np.ndarray:
+        """The bytes block ``block_hash`` of ``group`` holds (distinct per group)."""
+        return payload(make_offload_key(block_hash, group), self.row_bytes)
 
     def add_request(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> Request:
         request = Request(
@@ -366,8 +443,7 @@ class EngineDriver:
         return request
 
     def drain_tiers(self) -> None:
-        for tier in getattr(self.manager, "secondary_tiers", []):
-            tier.drain_jobs()
+        wait_for_io(self.manager)
 
     def step(self) -> dict[str, int]:
         """One engine step; returns the tokens scheduled per request."""
@@ -386,21 +462,27 @@ class EngineDriver:
                 self.gpu[int(block_id)] = self.rows[int(chunk_id)]
             self._completed.mark_completed(job_id)
             finished_recving.add(job.req_id)
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)[0]
-            for block_id in job.dst_spec.block_ids:
-                index = block_ids.index(int(block_id))
-                self.loaded_blocks.setdefault(job.req_id, []).append(
-                    (index, self.gpu[int(block_id)].tobytes())
-                )
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(job.req_id)
+            group_sizes = getattr(job.dst_spec, "group_sizes", None) or [len(job.dst_spec)]
+            start = 0
+            for group, size in enumerate(group_sizes):
+                for block_id in job.dst_spec.block_ids[start : start + size]:
+                    index = block_ids[group].index(int(block_id))
+                    self.loaded_blocks.setdefault(job.req_id, []).append(
+                        (group, index, self.gpu[int(block_id)].tobytes())
+                    )
+                start += size
         req_ids, sampled = [], []
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             # schedule() has already advanced num_computed_tokens past this step's tokens.
             start, end = request.num_computed_tokens - num_tokens, request.num_computed_tokens
-            for index in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
-                if index < len(request.block_hashes):
-                    self.gpu[block_ids[index]] = self.block_content(request.block_hashes[index])
+            for group, block_ids in enumerate(groups):
+                for index in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
+                    if index < len(request.block_hashes) and block_ids[index] != 0:  # 0: null
+                        content = self.block_content(request.block_hashes[index], group)
+                        self.gpu[block_ids[index]] = content
             req_ids.append(req_id)
             sampled.append([7] if end >= request.num_tokens else [])
         for job_id, job in meta.store_jobs.items():
@@ -426,12 +508,18 @@ class EngineDriver:
         return dict(out.num_scheduled_tokens)
 
     def run(self, max_steps: int = 40, idle_steps: int = 3) -> list[dict[str, int]]:
-        """Step until no request is left and ``idle_steps`` steps in a row did nothing."""
+        """Step until no request is left, the connector has no work pending (as vLLM's engine
+        core does) and ``idle_steps`` steps in a row did nothing."""
         trace, idle = [], 0
         for _ in range(max_steps):
             scheduled = self.step()
             trace.append(scheduled)
-            busy = scheduled or self.scheduler.has_requests() or self._pending_stores
+            busy = (
+                scheduled
+                or self.scheduler.has_requests()
+                or self._pending_stores
+                or self.connector.has_pending_push_work()
+            )
             idle = 0 if busy else idle + 1
             if idle >= idle_steps:
                 return trace
