@@ -43,5 +43,16 @@ demo: install
 bench: install
 	$(PY) benchmarks/run_all.py --out docs/benchmarks.md
 
+# The demo's tiers go first: `tiering wipe` deletes only the files tiering created there (an
+# operator's file in a tier directory stays), then the folders it left empty.
+DEMO_CONFIG := examples/tiering.yaml
+DEMO_DATA := examples/demo-data
+
 clean:
+	@if [ -x $(VENV)/bin/tiering ]; then \
+		$(VENV)/bin/tiering wipe --config $(DEMO_CONFIG) || exit 1; \
+		rmdir $(DEMO_DATA) 2>/dev/null || true; \
+	elif [ -d $(DEMO_DATA) ]; then \
+		echo "$(DEMO_DATA) kept: run 'make install' first, then 'make clean' (tiering wipe deletes it)"; \
+	fi
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -233,6 +233,15 @@ def flip_payload_byte(slots_file: Path, slot: int, block_bytes: int) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
+def tree_state(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root``: its bytes and modification time (ns)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
 def test_inspect_counts_and_verifies_blocks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -254,21 +263,23 @@ def test_inspect_counts_and_verifies_blocks(
     assert by_name["nvme"]["capacity_blocks"] == 128
     assert err == ""  # no progress bar: stderr is not a terminal
 
-    # One flipped payload bit in the file tier: reported, removed, non-zero exit.
+    # One flipped payload bit in the file tier: reported (not removed), non-zero exit.
     flip_payload_byte(tmp_path / "nvme" / SLOTS_NAME, slot=2, block_bytes=4096)
+    before = tree_state(tmp_path)
     status, out, _err = run(["inspect", "--config", str(config), "--no-progress"], capsys)
     assert status == 1
     assert "tier nvme (file" in out and "5 blocks" in out
-    assert "verified 4, corrupt 1 (removed)" in out
-    assert "verified 5, corrupt 0 (removed)" in out  # the lmdb tier
+    assert "verified 4, corrupt 1, missing 0" in out
+    assert "verified 5, corrupt 0, missing 0" in out  # the lmdb tier
 
-    # The corrupt block is gone; only the file tier is inspected.
+    # Inspecting changed nothing: the corrupt block is still there; only nvme is inspected.
     status, out, _err = run(
         ["inspect", "--config", str(config), "--tier", "nvme", "--json"], capsys
     )
-    assert status == 0
+    assert status == 1
     (tier,) = json.loads(out)["tiers"]
-    assert (tier["name"], tier["blocks"], tier["verified"], tier["corrupt"]) == ("nvme", 4, 4, 0)
+    assert (tier["name"], tier["blocks"], tier["verified"], tier["corrupt"]) == ("nvme", 5, 4, 1)
+    assert tree_state(tmp_path) == before
 
 
 def test_inspect_reports_corruption_from_a_subprocess(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from tiering.backends.file import FileBackend
 from tiering.backends.lmdb import LMDBBackend
 from tiering.backends.memory import MemoryBackend
 from tiering.backends.settings import (
+    MAX_INT,
     SIZE_UNITS,
     FileSettings,
     LMDBSettings,
@@ -586,7 +587,18 @@ def test_format_then_parse_round_trips(num_bytes: int) -> None:
     st.sampled_from(["", " "]),
 )
 def test_number_and_unit_parse(count: int, unit: str, space: str) -> None:
+    if count * SIZE_UNITS[unit] > MAX_INT:  # over a file offset: refused (next test)
+        with pytest.raises(ConfigurationError, match="out of range"):
+            parse_size(f"{count}{space}{unit}")
+        return
     assert parse_size(f"{count}{space}{unit}") == count * SIZE_UNITS[unit]
+
+
+def test_sizes_and_integers_stop_at_63_bits() -> None:
+    assert parse_size(MAX_INT) == MAX_INT
+    for bad in (MAX_INT + 1, "8388608TiB", "9223372036854775808"):
+        with pytest.raises(ConfigurationError, match=r"out of range: the largest value is"):
+            parse_size(bad)
 
 
 def test_size_examples() -> None:

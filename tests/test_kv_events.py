@@ -59,12 +59,17 @@ def receive(sub: zmq.Socket[bytes]) -> tuple[bytes, int, EventBatch]:
 
 def wait_subscribed(publisher: KVEventPublisher, sub: zmq.Socket[bytes]) -> int:
     """Publish one-key batches until the subscriber sees one (a SUB socket misses what is sent
-    before its subscription reaches the publisher); returns the first sequence number it saw."""
+    before its subscription reaches the publisher), then take the probes still on their way
+    (sent while the first was in flight: on a busy machine, 10 ms is not enough for one);
+    returns the sequence number of the last probe, so the next batch is the test's own."""
     for attempt in range(1000):
         publisher.publish([OffloadingEvent((key(10_000 + attempt),), "CPU", False)])
         publisher.flush()
         if sub.poll(10):
             _, seq, _ = receive(sub)
+            last_probe = publisher.stats.batches_published - 1
+            while seq < last_probe:  # once subscribed, every later probe arrives, in order
+                _, seq, _ = receive(sub)
             return seq
     raise AssertionError("the subscriber never received a batch")
 

@@ -15,6 +15,9 @@ import pytest
 
 from tiering.backends.lanes import LaneStep, run_in_lanes
 
+# Waits for something that happens at once: only a hang (a bug) reaches this bound.
+HANG_GUARD_S = 300
+
 
 class _Recorder:
     """open_lane for the tests: records which lane ran which item and when lanes leave."""
@@ -37,7 +40,7 @@ class _Recorder:
             mine.append(index)
             if index in self.block_on:
                 self.started[index].set()
-                assert self.block_on[index].wait(10)
+                assert self.block_on[index].wait(HANG_GUARD_S)
             return index * 10
 
         try:
@@ -82,7 +85,7 @@ async def _start_with_item_0_held(
     release = threading.Event()
     recorder = _Recorder(block_on={0: release})
     call = asyncio.ensure_future(run_in_lanes(executor, lanes, n_items, recorder.open_lane))
-    assert await asyncio.to_thread(recorder.started[0].wait, 10)
+    assert await asyncio.to_thread(recorder.started[0].wait, HANG_GUARD_S)
     return call, recorder, release
 
 
@@ -91,11 +94,13 @@ async def test_a_held_lane_takes_one_item_while_the_other_does_the_rest(
     executor: ThreadPoolExecutor,
 ) -> None:
     call, recorder, release = await _start_with_item_0_held(executor, 2, 20)
+
     # The other lane works through items 1..19 while item 0 is held.
-    for _ in range(1000):
-        if sum(map(len, recorder.items_by_lane)) == 20:
-            break
-        await asyncio.sleep(0.005)
+    async def other_lane_done() -> None:
+        while sum(map(len, recorder.items_by_lane)) < 20:
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(other_lane_done(), HANG_GUARD_S)
     assert not call.done()  # the held item is not finished
     release.set()
     assert await call == [i * 10 for i in range(20)]
@@ -121,7 +126,7 @@ async def test_cancel_waits_for_the_running_item_and_starts_no_other(
 async def test_cancel_before_any_lane_starts_returns_at_once() -> None:
     with ThreadPoolExecutor(1) as executor:
         busy = threading.Event()
-        executor.submit(busy.wait, 10)  # the only thread is taken: the lane stays queued
+        executor.submit(busy.wait, HANG_GUARD_S)  # the only thread is taken: the lane stays queued
         recorder = _Recorder()
         call = asyncio.ensure_future(run_in_lanes(executor, 1, 3, recorder.open_lane))
         await asyncio.sleep(0.01)

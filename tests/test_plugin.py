@@ -4,6 +4,7 @@ point, run the conformance suite on it, and use it from a YAML config."""
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiering import registry
+from tiering import cli, registry
 from tiering.backends.base import StorageBackend
 from tiering.backends.block_format import HEADER_BYTES
-from tiering.config import build_manager, build_pool, load_config
+from tiering.config import PluginSettings, build_manager, build_pool, load_config, resolve_plugins
 from tiering.errors import ConfigError
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.testing import BackendTests
@@ -125,7 +126,10 @@ def test_a_yaml_tier_of_the_plugin_type_stores_and_promotes_bit_exact(
     config = load_config(config_path)
     (tier,) = config.secondary_tiers
     assert tier.type == "example_dir" and tier.path == tmp_path / "plugged"
-    assert tier.settings == example_plugin.settings_class(io_threads=3)
+    # Reading the config imports no plugin: its keys wait, as written, until it is built.
+    assert tier.settings == PluginSettings({"io_threads": 3}, tmp_path)
+    (resolved,) = resolve_plugins(config).secondary_tiers
+    assert resolved.settings == example_plugin.settings_class(io_threads=3)
 
     pool = build_pool(config)
     rows = pool.rows_view()
@@ -165,11 +169,15 @@ def test_a_bad_plugin_setting_is_a_config_error_naming_the_key(
 ) -> None:
     config_path = tmp_path / "bad.yaml"
     config_path.write_text(CONFIG.replace("io_threads: 3", "io_threads: 0"))
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.io_threads: 0 is too small"):
-        load_config(config_path)
+    config = load_config(config_path)  # the plugin's keys are checked when it is imported
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml:11: secondary_tiers\[0\]\.io_threads: 0 is too small"
+    ):
+        build_manager(config)
     config_path.write_text(CONFIG.replace("io_threads: 3", "io_thread: 3"))
     with pytest.raises(ConfigError, match="unknown key 'io_thread'; did you mean 'io_threads'"):
-        load_config(config_path)
+        resolve_plugins(load_config(config_path))
+    assert not (tmp_path / "plugged").exists()  # refused before anything was created
 
 
 def test_the_test_kits_import_without_pytest_and_say_what_is_missing() -> None:
@@ -213,3 +221,16 @@ def test_the_test_kits_are_exported() -> None:
     ]
     with pytest.raises(AttributeError, match="no attribute 'PolicyTest'"):
         kits.PolicyTest  # noqa: B018
+
+
+def test_inspect_skips_a_plugin_tier_it_cannot_read_without_writing(
+    example_plugin: registry.BackendEntry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = tmp_path / "tiering.yaml"
+    config_path.write_text(CONFIG)
+    (tmp_path / "plugged").mkdir()
+    (tmp_path / "plugged" / "x.blk").write_bytes(b"some block")
+    assert cli.main(["inspect", "--config", str(config_path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: the example_dir backend has no read-only mode, and inspect never writes" in out
+    assert os.listdir(tmp_path / "plugged") == ["x.blk"]

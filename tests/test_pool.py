@@ -162,10 +162,8 @@ def test_joiner_waits_for_a_late_creator(shm_name: str) -> None:
 
 
 def test_joiner_times_out_with_a_clear_error(shm_name: str) -> None:
-    start = time.monotonic()
     with pytest.raises(BackendError, match=r"timed out after 0\.2 s waiting for the shared pool"):
         CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=0.2)
-    assert time.monotonic() - start < 5
     # A file of the right size that nobody initialised never becomes ready either.
     path = Path("/dev/shm") / shm_name
     if path.parent.is_dir():

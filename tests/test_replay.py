@@ -7,6 +7,7 @@ import io
 import json
 import os
 import struct
+import sys
 import termios
 import urllib.request
 from collections import OrderedDict
@@ -142,6 +143,49 @@ def test_cli_replay_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert report["requests"] == 40
     assert set(report["tiers"]) == {"CPU", "FILE"}
     assert {row["policy"] for row in report["policy_study"]} == {"lru", "arc", "belady"}
+
+
+REPLAY_CONFIG = (
+    "version: 1\nmodel: {shape: tiny}\nprimary: {capacity: 256KiB}\n"
+    "secondary_tiers:\n  - {type: file, capacity: 1MiB, path: nvme}\n"
+    "replay: {trace: agent, scale: tiny, engine_blocks: 512, max_requests: 40}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--policy-study", "--sizes", "0.1,lots"], "--sizes: 'lots' is not a number"),
+        (["--policy-study", "--sizes", "0.1,2"], "--sizes: '2' is not a fraction in (0, 1]"),
+        (["--policy-study", "--policies", "lru,lfu"], "--policies: unknown eviction policy 'lfu'"),
+        (["--plot", "no/such/dir/plot.png"], "--plot"),
+        (["--plot", "plot.txt"], "--plot"),
+    ],
+    ids=["sizes-text", "sizes-range", "policies", "plot-dir", "plot-suffix"],
+)
+def test_replay_options_are_checked_before_the_replay_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    """A bad option fails at once, before any tier is built: no report is thrown away."""
+    path = tmp_path / "tiering.yaml"
+    path.write_text(REPLAY_CONFIG)
+    status = cli_main(["replay", "--config", str(path), "--json", *options])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err
+    assert not (tmp_path / "nvme").exists()  # the replay never started
+
+
+def test_plot_without_matplotlib_fails_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    path = tmp_path / "tiering.yaml"
+    path.write_text(REPLAY_CONFIG)
+    status = cli_main(["replay", "--config", str(path), "--plot", str(tmp_path / "p.png")])
+    assert status == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "nvme").exists()
 
 
 def test_report_columns_add_up_and_latencies_are_per_job(tmp_path: Path) -> None:

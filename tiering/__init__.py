@@ -40,6 +40,7 @@ from tiering.protocol import (
     OffloadingManager,
     PrepareStoreOutput,
 )
+from tiering.shared_tier import SharedTier
 from tiering.store_plan import StoreJob, plan_store
 from tiering.tier import SecondaryTier, TierJob, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
@@ -75,6 +76,7 @@ __all__ = [
     "PrepareStoreOutput",
     "ProtocolError",
     "SecondaryTier",
+    "SharedTier",
     "StorageBackend",
     "StoreJob",
     "TierJob",

@@ -4,14 +4,17 @@ Subcommands (each sets ``func(args) -> int``, the exit status)::
 
     tiering config check FILE        validate a YAML config; summary of tiers and capacities
     tiering config schema            the config's JSON Schema
-    tiering inspect --config FILE    open each secondary tier, count and verify every block
+    tiering inspect --config FILE    read each secondary tier, count and verify every block
     tiering doctor [--config FILE]   what this machine supports (OK / WARN / FAIL per check)
+    tiering wipe --config FILE       delete tiering's own files from each tier's directory
     tiering replay ...               (added by :mod:`tiering.replay` when it is installed)
+    tiering --version
 
 Errors are reported at this boundary: a bad config or any :class:`~tiering.errors.TieringError`
 or ``OSError`` prints its message (never a traceback) and exits 2; anything unexpected prints a
 one-line summary and exits 3 (``--debug`` re-raises it instead). Exit 1 means "inspect found
-corrupt or unreadable blocks" or "doctor found a FAIL".
+corrupt or unreadable blocks, or a tier it could not read as configured" or "doctor found a
+FAIL". ``config check`` exits 2 if a tier's directory would be refused when it opens.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import mmap
 import os
@@ -34,17 +38,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiering.backends.base import Outcome
+from tiering.backends.base import Outcome, StorageBackend
+from tiering.backends.ownership import (
+    DamagedStorageError,
+    LayoutMismatchError,
+    TierDirectoryError,
+)
 from tiering.config import (
+    BlockLayout,
     ConfigWarning,
+    PluginSettings,
     TierConfig,
     TieringConfig,
     build_backend,
+    build_tier,
+    check_tier_directories,
     config_json_schema,
     layout_for_config,
     load_config,
+    wipe_tier,
 )
-from tiering.errors import ConfigError, TieringError
+from tiering.errors import BackendError, ConfigError, TieringError
+from tiering.registry import get_backend
 from tiering.replay.progress import ProgressBar
 from tiering.transfer import machine_choice
 
@@ -104,11 +119,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     ]
     for tier in config.secondary_tiers:
         blocks = ""
-        if layout is not None:
-            # Constructing the backend validates its settings for this block size; no I/O.
-            backend = build_backend(
+        if isinstance(tier.settings, PluginSettings):
+            blocks = "(plugin, imported when built)"  # checking a config runs no plugin code
+        elif layout is not None:
+            # Constructing the tier validates its settings (and a shared tier's) for this block
+            # size; no I/O.
+            backend = build_tier(
                 tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint
-            )
+            ).backend
             if backend.capacity_blocks == 0:
                 raise ConfigError(
                     f"{config.source}: tier {tier.name!r}: capacity "
@@ -142,7 +160,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             f"  {name:<{widths[0]}}  {kind:<{widths[1]}}  {capacity:>{widths[2]}}  "
             f"{blocks:>{widths[3]}}  {rest}"
         )
-    return EXIT_OK
+    # What each tier will meet in its directory: refused now, not when the engine starts.
+    findings = check_tier_directories(config, layout)
+    for finding in findings:
+        print(f"{finding.severity}: {finding.message}", file=sys.stderr)
+    return EXIT_ERROR if any(f.severity == "error" for f in findings) else EXIT_OK
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
@@ -165,19 +187,35 @@ class TierReport:
     blocks: int = 0  # found (and indexed) when the backend opened
     usage_bytes: int = 0
     verified: int = 0  # read back and verified
-    corrupt: int = 0  # failed verification (and were removed), at open or on read
+    corrupt: int = 0  # failed verification, at open or on read (nothing is removed)
     missing: int = 0  # indexed at open, gone when read
     failed: int = 0  # I/O errors on read
     seconds: float = 0.0
+    #: the tier holds blocks of another layout than the config's (they were verified
+    #: against the layout on disk): what differs
+    layout_mismatch: str | None = None
+    #: why the tier could not be read at all (not tiering's, damaged beyond reading, ...)
+    problem: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
-        return self.corrupt == 0 and self.failed == 0
+        return (
+            self.corrupt == 0
+            and self.failed == 0
+            and self.layout_mismatch is None
+            and self.problem is None
+        )
 
 
-# Recovery counters of the built-in backends: blocks dropped at open because they did not verify.
-_DROPPED_AT_OPEN = ("recovery_rejected", "recovery_dropped_blocks")
+# Recovery counters of the built-in backends: blocks (or slots holding something) lost at open.
+_LOST_AT_OPEN = {
+    "recovery_rejected": "did not verify",
+    "recovery_dropped_blocks": "did not verify",
+    "recovery_missing_slots": "were cut off by a truncated slot file",
+    "recovery_over_capacity": "lie past the configured capacity",
+    "recovery_read_errors": "could not be read",
+}
 
 
 def _for_inspection(tier: TierConfig) -> TierConfig:
@@ -193,40 +231,93 @@ def _for_inspection(tier: TierConfig) -> TierConfig:
     return dataclasses.replace(tier, settings=dataclasses.replace(settings, recover="trust_header"))
 
 
+async def _open_read_only(
+    tier: TierConfig, layout: BlockLayout, report: TierReport
+) -> tuple[StorageBackend, list[bytes]] | None:
+    """The tier's backend opened read-only, with the config's layout or, if the tier holds
+    another one, with the layout on disk (recorded in ``report``); None if it cannot be read."""
+    backend = build_backend(
+        _for_inspection(tier),
+        block_bytes=layout.block_bytes,
+        fingerprint=layout.fingerprint,
+        layout_description=layout.description,
+        read_only=True,
+    )
+    report.capacity_bytes = backend.capacity_bytes
+    report.capacity_blocks = backend.capacity_blocks
+    try:
+        return backend, await backend.open()
+    except LayoutMismatchError as exc:
+        report.layout_mismatch = exc.on_disk.difference(exc.configured)
+        report.notes.append(
+            "the tier holds blocks of another layout than the config's: its blocks are "
+            "verified against the layout on disk; a manager with this config refuses to open "
+            "it (see on_layout_mismatch in docs/config.md)"
+        )
+        if exc.on_disk.fingerprint == bytes(16):  # another storage format: not readable here
+            return None
+        backend = build_backend(
+            _for_inspection(tier),
+            block_bytes=exc.on_disk.block_bytes,
+            fingerprint=exc.on_disk.fingerprint,
+            read_only=True,
+        )
+        return backend, await backend.open()
+
+
 async def inspect_tier(
     tier: TierConfig,
     *,
-    block_bytes: int,
-    fingerprint: bytes,
+    layout: BlockLayout,
     batch_blocks: int,
     progress: Callable[[int, str], ProgressBar],
 ) -> TierReport:
-    """Open ``tier``'s backend, then read every stored block back (verified) in batches."""
-    backend = build_backend(_for_inspection(tier), block_bytes=block_bytes, fingerprint=fingerprint)
+    """Read ``tier`` without changing anything: open its backend read-only, then read every
+    stored block back and verify it, in batches."""
     report = TierReport(
         name=tier.name,
         type=str(tier.type),
         path=None if tier.path is None else str(tier.path),
-        capacity_bytes=backend.capacity_bytes,
-        capacity_blocks=backend.capacity_blocks,
+        capacity_bytes=tier.capacity_bytes,
+        capacity_blocks=0,
     )
-    if tier.path is not None and not tier.path.exists():
+    if tier.path is None:
+        report.notes.append(f"a {tier.type} tier keeps no files: nothing to inspect")
+        return report
+    if not get_backend(tier.type).accepts("read_only"):
+        report.notes.append(
+            f"skipped: the {tier.type} backend has no read-only mode, and inspect never writes"
+        )
+        return report
+    if not tier.path.exists():
+        sized = build_backend(tier, block_bytes=layout.block_bytes, fingerprint=layout.fingerprint)
+        report.capacity_blocks = sized.capacity_blocks  # constructing it does no I/O
         report.notes.append(f"{tier.path} does not exist: nothing stored yet")
-        return report  # opening would create it
+        return report
     start_s = time.perf_counter()
-    keys = await backend.open()
+    try:
+        opened = await _open_read_only(tier, layout, report)
+    except DamagedStorageError as exc:
+        report.problem = str(exc)
+        report.corrupt += exc.lost_blocks or 0
+        return report
+    except (TierDirectoryError, ConfigError, BackendError) as exc:  # foreign, in use, ...
+        report.problem = str(exc)
+        return report
+    if opened is None:
+        return report
+    backend, keys = opened
     try:
         report.blocks = len(keys)
         report.usage_bytes = backend.usage_bytes
-        dropped = sum(backend.stats.extra.get(name, 0) for name in _DROPPED_AT_OPEN)
-        if dropped:
-            report.corrupt += dropped
-            report.notes.append(f"{dropped} block(s) failed verification when the tier opened")
-        if backend.stats.extra.get("manifest_mismatch"):
-            report.notes.append(
-                "the tier was written for another block layout (model, block size or "
-                "fingerprint) and was emptied on open, as the manager would have done"
-            )
+        for counter, why in _LOST_AT_OPEN.items():
+            lost = backend.stats.extra.get(counter, 0)
+            if lost:
+                report.corrupt += lost
+                report.notes.append(f"{lost} stored block(s) or slot(s) {why}")
+        if backend.stats.extra.get("manifest_damaged"):
+            report.notes.append("the manifest is missing or damaged: every slot was verified")
+        block_bytes = backend.block_bytes
         # Page-aligned (O_DIRECT tiers read straight into it), reused by every batch.
         scratch = memoryview(mmap.mmap(-1, batch_blocks * block_bytes))
         buffers = [scratch[i * block_bytes : (i + 1) * block_bytes] for i in range(batch_blocks)]
@@ -248,7 +339,7 @@ async def inspect_tier(
 def cmd_inspect(args: argparse.Namespace) -> int:
     config = _load(args.config)
     layout = layout_for_config(config)
-    block_bytes, fingerprint = layout.block_bytes, layout.fingerprint
+    block_bytes = layout.block_bytes
     tiers = list(config.secondary_tiers) if args.tier is None else [config.tier(args.tier)]
 
     def progress(total: int, label: str) -> ProgressBar:
@@ -257,11 +348,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     async def run() -> list[TierReport]:
         return [
             await inspect_tier(
-                tier,
-                block_bytes=block_bytes,
-                fingerprint=fingerprint,
-                batch_blocks=args.batch_blocks,
-                progress=progress,
+                tier, layout=layout, batch_blocks=args.batch_blocks, progress=progress
             )
             for tier in tiers
         ]
@@ -283,8 +370,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 f"{format_bytes(r.usage_bytes)} used of {format_bytes(r.capacity_bytes)} "
                 f"({r.capacity_blocks} blocks)"
             )
+            if r.problem is not None:
+                print(f"  not readable: {r.problem}")
+            if r.layout_mismatch is not None:
+                print(f"  layout mismatch: {r.layout_mismatch}")
             print(
-                f"  verified {r.verified}, corrupt {r.corrupt} (removed), missing {r.missing}, "
+                f"  verified {r.verified}, corrupt {r.corrupt}, missing {r.missing}, "
                 f"read errors {r.failed}  [{r.seconds:.2f} s]"
             )
             for note in r.notes:
@@ -475,6 +566,26 @@ def _tier_checks(config: TieringConfig) -> list[Check]:
     return checks
 
 
+def _directory_checks(config: TieringConfig) -> list[Check]:
+    """Whether each tier's directory is tiering's and holds the configured layout (reads only)."""
+    verdicts = {"error": FAIL, "warning": WARN, "note": OK}
+    found = {f.tier: f for f in check_tier_directories(config)}
+    checks = []
+    for tier in config.secondary_tiers:
+        if tier.path is None or isinstance(tier.settings, PluginSettings):
+            continue
+        finding = found.get(tier.name)
+        if finding is None:
+            checks.append(
+                Check(f"tier {tier.name} directory", OK, f"{tier.path}: usable by this config")
+            )
+        else:
+            checks.append(
+                Check(f"tier {tier.name} directory", verdicts[finding.severity], finding.message)
+            )
+    return checks
+
+
 def _copy_backend_check(config: TieringConfig | None) -> Check:
     """Which GPU <-> CPU copy strategy CUDA KV caches get here (tiering.transfer), and why."""
     choice = machine_choice()
@@ -496,6 +607,7 @@ def run_doctor(config: TieringConfig | None) -> list[Check]:
         checks.append(Check("O_DIRECT (temp dir)", OK if works else WARN, f"{directory}: {why}"))
     else:
         checks += _tier_checks(config)
+        checks += _directory_checks(config)
     return checks
 
 
@@ -509,6 +621,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     warned = sum(c.verdict == WARN for c in checks)
     print(f"{len(checks)} checks: {failed} FAIL, {warned} WARN")
     return EXIT_FINDINGS if failed else EXIT_OK
+
+
+# -- wipe ----------------------------------------------------------------------------------------
+
+
+def cmd_wipe(args: argparse.Namespace) -> int:
+    """Delete tiering's own files from each tier's directory (never anyone else's)."""
+    config = _load(args.config)
+    tiers = list(config.secondary_tiers) if args.tier is None else [config.tier(args.tier)]
+    for tier in tiers:
+        if tier.path is None:
+            continue
+        removal = wipe_tier(tier)
+        what = f"tier {tier.name} ({tier.path})"
+        if not removal.removed and not removal.directory_removed:
+            print(f"{what}: nothing of tiering's to delete")
+            continue
+        print(f"{what}: deleted {', '.join(removal.removed) or 'nothing'}")
+        if removal.kept:
+            print(f"  kept (not tiering's): {', '.join(removal.kept)}")
+        elif removal.directory_removed:
+            print("  removed the directory (it was left empty)")
+    return EXIT_OK
 
 
 # -- the parser ----------------------------------------------------------------------------------
@@ -550,6 +685,13 @@ def _add_replay(subparsers: Any) -> None:
     stub.set_defaults(func=unavailable)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tiering")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiering", description="Tiered KV-cache store: configs, tiers and this machine."
@@ -557,6 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an unexpected error"
     )
+    parser.add_argument("--version", action="version", version=f"tiering {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     config = commands.add_parser("config", help="check a config file or print its schema")
@@ -572,15 +715,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser(
         "inspect",
-        help="count and verify the blocks of each secondary tier",
+        help="count and verify the blocks of each secondary tier (changes nothing)",
         description=(
-            "Open each secondary tier of the config (as the manager would, with the config's "
-            "block size and layout fingerprint), report its blocks, bytes used and capacity, "
-            "then read every block back and verify it. A block that fails verification is "
-            "reported and, as on any read, REMOVED from the tier; a tier written for another "
-            "block layout (model, block size) is emptied on open, as the manager would do. "
-            "Do not run it on a tier that a running engine has open. Exits 1 if any block "
-            "was corrupt or unreadable."
+            "Read each secondary tier of the config without changing anything: report its "
+            "blocks, bytes used and capacity, then read every block back and verify it. A "
+            "block that fails verification is reported, not removed. A tier written for "
+            "another block layout (model, block size) is reported, and its blocks verified "
+            "against the layout on disk. A tier that a running engine has open is reported "
+            "as in use. Exits 1 if any block was corrupt or unreadable, or a tier holds "
+            "another layout or could not be read."
         ),
     )
     inspect.add_argument("--config", required=True, metavar="FILE", help="the YAML config")
@@ -606,6 +749,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--config", metavar="FILE", help="also check this config's tier paths")
     doctor.set_defaults(func=cmd_doctor)
+
+    wipe = commands.add_parser(
+        "wipe",
+        help="delete tiering's own files from each tier's directory",
+        description=(
+            "Delete the files tiering created in each secondary tier's directory (the "
+            "directory's tiering marker says it is tiering's), then the directory if that "
+            "left it empty. Files tiering did not create are kept and listed. A directory "
+            "that is not tiering's is refused, untouched."
+        ),
+    )
+    wipe.add_argument("--config", required=True, metavar="FILE", help="the YAML config")
+    wipe.add_argument("--tier", metavar="NAME", help="only this tier")
+    wipe.set_defaults(func=cmd_wipe)
 
     _add_replay(commands)
     parser.set_defaults(func=lambda _args: _usage(parser))

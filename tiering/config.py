@@ -31,6 +31,17 @@ from typing import Any, Literal
 import yaml
 
 from tiering.backends.base import StorageBackend
+from tiering.backends.block_format import make_layout_fingerprint
+from tiering.backends.ownership import (
+    LayoutMismatchError,
+    LayoutRecord,
+    Removal,
+    TierDirectoryError,
+    check_backend,
+    examine_directory,
+    foreign_directory_error,
+    remove_owned_files,
+)
 from tiering.backends.settings import (
     SIZE_JSON_SCHEMA,
     NoSettings,
@@ -44,18 +55,21 @@ from tiering.backends.settings import (
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.groups import KVCacheSpec
 from tiering.hf_model import cached_model_shape
-from tiering.identity import layout_fingerprint
+from tiering.identity import layout_identity
 from tiering.manager import CPUOffloadingManager
 from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
 from tiering.policies import get_policy_class
+from tiering.policies.registry import check_policy_name
 from tiering.pool import CPUBlockPool
 from tiering.registry import (
     BUILTIN_BACKENDS,
     GENERIC_TIER_KEYS,
     NAME_PATTERN,
     BackendEntry,
+    check_backend_type,
     get_backend,
 )
+from tiering.shared_tier import SharedTier
 from tiering.tier import SecondaryTier, WritePolicy
 from tiering.tiering_manager import TieringOffloadingManager
 from tiering.transfer import CopyBackend
@@ -72,19 +86,24 @@ __all__ = [
     "HashingConfig",
     "MetricsConfig",
     "ModelConfig",
+    "PluginSettings",
     "PrimaryConfig",
     "ReplaySettings",
     "SCALES",
     "TierConfig",
+    "TierDirectoryFinding",
     "TieringConfig",
     "build_backend",
     "build_manager",
     "build_pool",
     "build_tier",
+    "check_tier_directories",
     "config_json_schema",
     "layout_for_config",
     "load_config",
     "parse_config",
+    "resolve_plugins",
+    "wipe_tier",
 ]
 
 CONFIG_VERSION = 1
@@ -186,8 +205,24 @@ class PrimaryConfig:
 
 
 @dataclass(frozen=True)
+class PluginSettings:
+    """The backend keys of a tier whose backend is a plugin, as written in the file.
+
+    Checking a config runs no plugin code, so a plugin's keys wait here until the plugin is
+    imported (:func:`resolve_plugins`, which :func:`build_manager` calls) and checked against
+    its settings class then. ``key_lines`` are the keys' lines in the file, for messages.
+    """
+
+    values: dict[str, Any]
+    base_dir: Path
+    key_lines: dict[str, int] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
 class TierConfig:
-    """One secondary tier. ``settings`` is an instance of its backend's settings class."""
+    """One secondary tier. ``settings`` is an instance of its backend's settings class, or
+    :class:`PluginSettings` for a plugin backend not yet imported (see :func:`resolve_plugins`).
+    """
 
     name: str
     type: str
@@ -198,6 +233,8 @@ class TierConfig:
     selective_min_lookups: int = 2
     max_inflight_jobs: int = 4
     quarantine_seconds: float = 10.0
+    existence_cache_seconds: float | None = None  # shared tiers only (None: SharedTier's default)
+    existence_cache_max_keys: int | None = None
     settings: object = field(default_factory=NoSettings)
 
     @property
@@ -228,6 +265,17 @@ class _TierKeys:
     )
     quarantine_seconds: float = field(
         default=10.0, metadata={"min": 0.0, "doc": "how long a failed key counts as absent"}
+    )
+    existence_cache_seconds: float | None = field(
+        default=None,
+        metadata={
+            "min": 0.001,
+            "doc": "shared tiers: how long an answer of the store is trusted (default 2)",
+        },
+    )
+    existence_cache_max_keys: int | None = field(
+        default=None,
+        metadata={"min": 1, "doc": "shared tiers: answers cached at most (default 65536)"},
     )
 
 
@@ -336,10 +384,10 @@ class TieringConfig:
         """Bytes of one offloaded block over all ranks: one pool row, what every tier stores."""
         return self.block_bytes_per_rank() * self.require_model().world_size
 
-    def fingerprint(self) -> bytes:
-        """The 16-byte layout fingerprint written in (and checked on) every stored block."""
+    def layout_description(self) -> dict[str, object]:
+        """What a stored block's bytes mean (:func:`tiering.identity.layout_identity`)."""
         shape = self.model_shape()
-        return layout_fingerprint(
+        return layout_identity(
             self.kv_cache_spec(),
             block_bytes=self.block_bytes(),
             dtype=shape.dtype,
@@ -347,6 +395,10 @@ class TieringConfig:
             hash_algorithm=self.hashing.algorithm,
             model=shape.name,
         )
+
+    def fingerprint(self) -> bytes:
+        """The 16-byte layout fingerprint written in (and checked on) every stored block."""
+        return make_layout_fingerprint(self.layout_description())
 
     def num_cpu_blocks(self, block_bytes: int | None = None) -> int:
         """Blocks the primary's capacity holds; :class:`ConfigError` if none."""
@@ -383,7 +435,11 @@ def _jsonable(value: object) -> Any:
         return value.value
     if isinstance(value, Path):
         return str(value)
-    return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)  # a plugin's raw value YAML gave another type (a date)
 
 
 # -- reading YAML --------------------------------------------------------------------------------
@@ -471,7 +527,11 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)
 
 def _load_yaml(text: str, source: str) -> Any:
     """The one YAML document in ``text``, read with :class:`_StrictLoader`."""
-    loader = _StrictLoader(text)
+    try:
+        # The reader checks the text in the constructor: unprintable characters raise there.
+        loader = _StrictLoader(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid config YAML: {exc}") from None
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
@@ -483,6 +543,12 @@ def _load_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{where}: invalid config YAML: {problem}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid config YAML: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # PyYAML's constructors raise these for some scalars ('!!int x', '2023-02-30').
+        raise ConfigError(
+            f"{source}: invalid config YAML: {type(exc).__name__}: {exc}; write the value as "
+            "a plain number or a quoted string"
+        ) from None
     finally:
         loader.dispose()
 
@@ -621,7 +687,7 @@ def _apply_env_overrides(tree: _LineMap, env: Mapping[str, str], ctx: _Context) 
         if not var.startswith(ENV_PREFIX) or var in IGNORED_ENV_VARS:
             continue
         parts = var[len(ENV_PREFIX) :].split("__")
-        value = _load_yaml(env[var], f"environment variable {var}")
+        value = _load_yaml(env[var], f"{ctx.source}: environment variable {var}")
         if isinstance(value, Mapping | list):
             raise ConfigError(
                 f"{ctx.source}: environment variable {var}: give a single value (a YAML "
@@ -675,9 +741,13 @@ def _override_tier(
         if name is not None and _env_name(name) == tier_name.upper():
             valid = list(GENERIC_TIER_KEYS)
             try:
-                valid += [f.key for f in get_backend(str(item.get("type"))).settings_fields()]
+                entry = check_backend_type(str(item.get("type")))
             except ConfigurationError:
-                valid = [key]  # a bad type: the parser reports it
+                entry = None  # a bad type: the parser reports it
+            if entry is None:
+                valid = [key]  # a plugin's keys are checked when it is imported
+            else:
+                valid += [f.key for f in entry.settings_fields()]
             if key not in valid:
                 raise _override_error(ctx, var, f"tier {name!r}: {unknown_key_message(key, valid)}")
             item[key] = value
@@ -692,21 +762,15 @@ def _override_tier(
 
 
 def _default_tier_name(item: Mapping[str, Any]) -> str | None:
-    """A tier's name: its ``name`` key, else its type's name (None if neither is usable)."""
+    """A tier's name: its ``name`` key, else its type lower-cased, or for a ``module:Class``
+    type the class name lower-cased (None if neither is usable). Imports nothing."""
     name = item.get("name")
     if name is not None:
         return name if isinstance(name, str) else None
     tier_type = item.get("type")
     if not isinstance(tier_type, str):
         return None
-    if ":" not in tier_type:
-        return tier_type.lower()
-    try:
-        cls = get_backend(tier_type).cls
-    except ConfigurationError:
-        return None
-    declared = getattr(cls, "name", None)
-    return declared if isinstance(declared, str) else cls.__name__.lower()
+    return tier_type.rpartition(":")[2].rpartition(".")[2].lower()
 
 
 # -- checking ----------------------------------------------------------------------------------
@@ -799,7 +863,7 @@ def _parse_version(data: _LineMap, ctx: _Context) -> int:
 
 def _check_policy(ctx: _Context, name: str, path: str, section: object) -> None:
     try:
-        get_policy_class(name)
+        check_policy_name(name)  # imports nothing; a plugin is loaded when a manager is built
     except ConfigurationError as exc:
         raise ctx.error(path, str(exc), _key_line(section, "policy")) from None
 
@@ -870,22 +934,29 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
             line,
         )
     try:
-        entry = get_backend(item["type"])
+        entry = check_backend_type(item["type"])  # None: a plugin, imported when it is built
     except ConfigurationError as exc:
         raise ctx.error(f"{path}.type", str(exc), _key_line(item, "type")) from None
-    name = _parse_tier_name(ctx, item, path, entry)
+    name = _parse_tier_name(ctx, item, path)
     generic = {k: v for k, v in item.items() if k in _TIER_KEYS}
     keys: _TierKeys = _parse_mapping(ctx, _with_lines(item, generic), path, _TierKeys, line)
     _check_policy(ctx, keys.policy, f"{path}.policy", item)
     backend_keys = {k: v for k, v in item.items() if k not in GENERIC_TIER_KEYS}
-    settings = _parse_mapping(
-        ctx,
-        _with_lines(item, backend_keys),
-        path,
-        entry.settings_class,
-        line,
-        other_keys=GENERIC_TIER_KEYS,
-    )
+    settings: object
+    if entry is None:
+        lines = getattr(item, "key_lines", {})
+        settings = PluginSettings(
+            dict(backend_keys), ctx.base_dir, {k: lines[k] for k in backend_keys if k in lines}
+        )
+    else:
+        settings = _parse_mapping(
+            ctx,
+            _with_lines(item, backend_keys),
+            path,
+            entry.settings_class,
+            line,
+            other_keys=GENERIC_TIER_KEYS,
+        )
     return TierConfig(
         name=name,
         type=item["type"],
@@ -896,6 +967,8 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         selective_min_lookups=keys.selective_min_lookups,
         max_inflight_jobs=keys.max_inflight_jobs,
         quarantine_seconds=keys.quarantine_seconds,
+        existence_cache_seconds=keys.existence_cache_seconds,
+        existence_cache_max_keys=keys.existence_cache_max_keys,
         settings=settings,
     )
 
@@ -911,10 +984,10 @@ def _with_lines(original: Mapping[str, Any], subset: dict[str, Any]) -> _LineMap
     return out
 
 
-def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry) -> str:
+def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str) -> str:
     name = item.get("name")
     if name is None:
-        name = _default_tier_name(item) or entry.name
+        name = _default_tier_name(item)
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise ctx.error(
             f"{path}.name",
@@ -926,15 +999,19 @@ def _parse_tier_name(ctx: _Context, item: Mapping[str, Any], path: str, entry: B
 
 
 def _parse_tier_path(
-    ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry
+    ctx: _Context, item: Mapping[str, Any], path: str, entry: BackendEntry | None
 ) -> Path | None:
+    """The tier's directory; for a plugin (``entry`` None) whether it needs one is checked when
+    it is imported."""
     line = _key_line(item, "path")
-    if not entry.accepts_path:
+    if entry is not None and not entry.accepts_path:
         if "path" in item:
             raise ctx.error(f"{path}.path", f"the {entry.name!r} backend takes no path", line)
         return None
     raw = item.get("path")
     if raw is None:
+        if entry is None:
+            return None
         raise ctx.error(
             f"{path}.path",
             f"missing; the {entry.name!r} backend keeps its data in a directory: give one "
@@ -943,11 +1020,42 @@ def _parse_tier_path(
         )
     if not isinstance(raw, str) or not raw.strip():
         raise ctx.error(f"{path}.path", f"{raw!r} is not valid: give a directory path", line)
-    directory = Path(os.path.normpath(ctx.base_dir / Path(raw).expanduser()))
-    problem = _directory_problem(directory)
+    problem = _path_text_problem(raw)
     if problem:
-        raise ctx.error(f"{path}.path", f"{raw!r}: {problem}", line)
+        raise ctx.error(f"{path}.path", f"{raw!r:.200}: {problem}", line)
+    try:
+        expanded = Path(raw).expanduser()
+    except RuntimeError as exc:  # '~user' of an unknown user, or no home directory
+        raise ctx.error(f"{path}.path", f"{raw!r}: cannot expand '~': {exc}", line) from None
+    directory = Path(os.path.normpath(ctx.base_dir / expanded))
+    problem = _path_text_problem(str(directory)) or _directory_problem(directory)
+    if problem:
+        raise ctx.error(f"{path}.path", f"{raw!r:.200}: {problem}", line)
     return directory
+
+
+# Linux's limits: a file name of at most NAME_MAX bytes, a path of fewer than PATH_MAX bytes.
+_NAME_MAX_BYTES = 255
+_PATH_MAX_BYTES = 4096
+
+
+def _path_text_problem(text: str) -> str | None:
+    """Why ``text`` cannot name a file on this system at all (None if it can)."""
+    if "\0" in text:
+        return "a path cannot contain a NUL character"
+    try:
+        encoded = os.fsencode(text)
+    except UnicodeEncodeError as exc:
+        return f"cannot be encoded as a file name ({exc.reason} at character {exc.start})"
+    if len(encoded) >= _PATH_MAX_BYTES:
+        return f"the path is {len(encoded)} bytes long; the longest is {_PATH_MAX_BYTES - 1}"
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > _NAME_MAX_BYTES:
+        return (
+            f"a part of the path is {len(longest)} bytes long; a file name has at most "
+            f"{_NAME_MAX_BYTES}"
+        )
+    return None
 
 
 def _directory_problem(directory: Path) -> str | None:
@@ -959,8 +1067,10 @@ def _directory_problem(directory: Path) -> str | None:
             if not os.access(directory, os.W_OK | os.X_OK):
                 return f"directory {str(directory)!r} is not writable by this user"
             return None
-        parent = directory.parent
+        parent = directory
         while not parent.exists():
+            if os.path.lexists(parent):
+                return f"cannot create {str(directory)!r}: {str(parent)!r} is a broken symlink"
             parent = parent.parent
     except OSError as exc:
         return f"cannot inspect {str(directory)!r}: {exc.strerror or exc}"
@@ -1110,15 +1220,208 @@ def _plugin_tier() -> dict[str, Any]:
 # -- building ----------------------------------------------------------------------------------
 
 
-def build_backend(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> StorageBackend:
+def resolve_plugins(config: TieringConfig) -> TieringConfig:
+    """``config`` with the plugins it names imported and checked.
+
+    Every policy is loaded, and every plugin tier's keys are checked against its backend's
+    settings class (the result replaces its :class:`PluginSettings`). This runs the plugins'
+    module code, which reading a config never does; :func:`build_manager` calls it. Raises
+    :class:`ConfigError` naming the file and the key.
+    """
+    _load_policy(config.primary.policy, f"{config.source}: primary.policy")
+    tiers = tuple(
+        _resolve_tier(tier, f"{config.source}: secondary_tiers[{index}]")
+        for index, tier in enumerate(config.secondary_tiers)
+    )
+    return dataclasses.replace(config, secondary_tiers=tiers)
+
+
+def _load_policy(name: str, where: str) -> None:
+    try:
+        get_policy_class(name)
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _resolve_tier(tier: TierConfig, where: str) -> TierConfig:
+    """``tier`` with its policy loaded and, for a plugin backend, its settings checked."""
+    _load_policy(tier.policy, f"{where}.policy")
+    raw = tier.settings
+    if not isinstance(raw, PluginSettings):
+        return tier
+    try:
+        entry = get_backend(tier.type)
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}.type: {exc}") from None
+    if entry.accepts_path and tier.path is None:
+        raise ConfigError(
+            f"{where}.path: missing; the {entry.name!r} backend keeps its data in a directory: "
+            "give one"
+        )
+    if not entry.accepts_path and tier.path is not None:
+        raise ConfigError(f"{where}.path: the {entry.name!r} backend takes no path")
+    try:
+        settings = parse_settings(
+            entry.settings_class, raw.values, base_dir=raw.base_dir, other_keys=GENERIC_TIER_KEYS
+        )
+    except SettingsProblem as exc:
+        key = f".{exc.key}" if exc.key else ""
+        line = raw.key_lines.get(exc.key or "")
+        source, _, rest = where.partition(": ")
+        located = f"{source}:{line}: {rest}" if line and rest else where
+        raise ConfigError(f"{located}{key}: {exc.problem}") from None
+    return dataclasses.replace(tier, settings=settings)
+
+
+def build_backend(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+    read_only: bool = False,
+) -> StorageBackend:
     """The tier's backend, constructed but not opened: validates its settings, does no I/O
-    (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them."""
-    return _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint)
+    (the backend creates its directory when it opens). :class:`ConfigError` if it rejects them.
+    A plugin backend is imported here (see :func:`resolve_plugins`). ``read_only`` opens
+    nothing for writing (``tiering inspect``); a backend without that mode is a ConfigError."""
+    return _create_backend(
+        tier,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        layout_description=layout_description,
+        read_only=read_only,
+    )
 
 
-def build_tier(tier: TierConfig, *, block_bytes: int, fingerprint: bytes) -> SecondaryTier:
-    """A :class:`SecondaryTier` over :func:`build_backend`'s backend."""
-    return _wrap_tier(tier, build_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint))
+def build_tier(
+    tier: TierConfig,
+    *,
+    block_bytes: int,
+    fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+) -> SecondaryTier:
+    """A :class:`SecondaryTier` over :func:`build_backend`'s backend (a
+    :class:`~tiering.shared_tier.SharedTier` if the backend is shared); :class:`ConfigError` if
+    the tier's settings cannot work with it."""
+    backend = build_backend(
+        tier,
+        block_bytes=block_bytes,
+        fingerprint=fingerprint,
+        layout_description=layout_description,
+    )
+    return _wrap_tier(tier, backend, f"tier {tier.name!r} ({tier.type})")
+
+
+def wipe_tier(tier: TierConfig) -> Removal:
+    """Delete tiering's own files from the tier's directory, then the directory if that left it
+    empty; an operator's files stay. Raises :class:`ConfigError` (nothing deleted) if the
+    directory is not tiering's or holds another backend's tier. A plugin backend is imported
+    (its class says which files are its own)."""
+    if tier.path is None:
+        return Removal((), (), False)
+    try:
+        cls = get_backend(tier.type).cls
+        return remove_owned_files(
+            tier.path,
+            backend=cls.name,
+            owned_files=cls.owned_files,
+            recognizes=cls.recognizes_directory,
+        )
+    except (ConfigurationError, TierDirectoryError) as exc:
+        raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+
+
+# -- tier directories, before anything opens ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierDirectoryFinding:
+    """Something :func:`check_tier_directories` found in a tier's directory.
+
+    ``severity`` is ``"error"`` (the tier will not open: :func:`build_manager` refuses the
+    config), ``"warning"`` (it will open after acting as configured: old data set aside or
+    wiped) or ``"note"``.
+    """
+
+    tier: str
+    path: Path
+    severity: Literal["error", "warning", "note"]
+    message: str
+
+
+def check_tier_directories(
+    config: TieringConfig, layout: BlockLayout | None = None
+) -> list[TierDirectoryFinding]:
+    """What each built-in tier will meet in its directory when it opens; changes nothing.
+
+    Reads each directory's listing and tiering marker (:mod:`tiering.backends.ownership`): a
+    directory that is not tiering's, one holding another backend's tier, and one holding
+    blocks of another layout than ``layout`` (default: the config's model, if it has one) are
+    reported, with what the tier's ``on_layout_mismatch`` will do. Plugin tiers are skipped
+    (checking a config imports no plugin).
+    """
+    if layout is None and config.model is not None:
+        layout = layout_for_config(config)
+    findings = []
+    for index, tier in enumerate(config.secondary_tiers):
+        if tier.path is None or isinstance(tier.settings, PluginSettings):
+            continue
+        where = f"{config.source}: secondary_tiers[{index}] ({tier.name!r})"
+        for severity, message in _directory_findings(tier, layout):
+            findings.append(
+                TierDirectoryFinding(tier.name, tier.path, severity, f"{where}: {message}")
+            )
+    return findings
+
+
+def _directory_findings(
+    tier: TierConfig, layout: BlockLayout | None
+) -> list[tuple[Literal["error", "warning", "note"], str]]:
+    assert tier.path is not None
+    cls = get_backend(tier.type).cls  # a built-in or registered class: no plugin import
+    try:
+        found = examine_directory(
+            tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
+        )
+        if found.state == "foreign":
+            raise foreign_directory_error(found, what="the tier directory")
+        check_backend(found, cls.name)
+    except TierDirectoryError as exc:
+        return [("error", str(exc))]
+    if found.state == "damaged_marker":
+        return [
+            (
+                "note",
+                f"the tiering marker in {str(tier.path)!r} is unreadable; the tier "
+                "will check its own records when it opens, and rewrite the marker",
+            )
+        ]
+    if (
+        found.marker is None
+        or not found.holds_data
+        or layout is None
+        or found.marker.layout.matches(layout.record())
+    ):
+        return []
+    mismatch = LayoutMismatchError(
+        tier.path, found.marker.layout, layout.record(), what="the tier directory"
+    )
+    policy = getattr(tier.settings, "on_layout_mismatch", "refuse")
+    if policy == "refuse":
+        return [("error", str(mismatch))]
+    action = {
+        "set_aside": "its files will be moved to a sibling folder when it opens",
+        "wipe": "tiering's files there will be deleted when it opens",
+    }[policy]
+    return [
+        (
+            "warning",
+            f"{str(tier.path)!r} holds blocks of another layout ("
+            f"{found.marker.layout.difference(layout.record())}); on_layout_mismatch: {policy}: "
+            f"{action}",
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -1127,12 +1430,17 @@ class BlockLayout:
 
     block_bytes: int  # one offloaded block over all ranks (one CPU pool row)
     fingerprint: bytes
+    description: Mapping[str, Any] | None = None  # what the fingerprint stands for
+
+    def record(self) -> LayoutRecord:
+        return LayoutRecord(self.block_bytes, self.fingerprint, self.description)
 
 
 def layout_for_config(config: TieringConfig) -> BlockLayout:
-    """The block size and layout fingerprint ``config.model`` gives (:class:`ConfigError`
-    if the config has no model)."""
-    return BlockLayout(config.block_bytes(), config.fingerprint())
+    """The block size, layout fingerprint and layout description ``config.model`` gives
+    (:class:`ConfigError` if the config has no model)."""
+    description = config.layout_description()
+    return BlockLayout(config.block_bytes(), make_layout_fingerprint(description), description)
 
 
 def build_pool(config: TieringConfig, *, block_bytes: int | None = None) -> CPUBlockPool:
@@ -1157,6 +1465,7 @@ def build_manager(
     block_bytes: int | None = None,
     fingerprint: bytes | None = None,
     pool: Any = None,
+    step_driven: bool = False,
 ) -> TieringOffloadingManager:
     """A running manager: the CPU primary tier plus every secondary tier, in order.
 
@@ -1164,19 +1473,44 @@ def build_manager(
     ``fingerprint`` default to the ones ``config.model`` gives. ``pool`` (a
     :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
     directories are created here; tiers open in the background (call ``wait_ready()`` to wait
-    and surface open errors). Raises :class:`ConfigError` before creating anything if a tier
-    cannot be built.
+    and surface open errors). ``step_driven`` is the manager's (an engine adapter sets it; see
+    :class:`TieringOffloadingManager`). Raises :class:`ConfigError` before creating anything if
+    a tier cannot be built. The plugins the config names are imported here
+    (:func:`resolve_plugins`).
     """
+    config = resolve_plugins(config)
+    description = None
+    if config.model is not None:
+        layout = layout_for_config(config)
+        if block_bytes in (None, layout.block_bytes) and fingerprint in (None, layout.fingerprint):
+            description = layout.description
     if block_bytes is None:
         block_bytes = config.block_bytes()
     if fingerprint is None:
         fingerprint = config.fingerprint()
     num_blocks = config.num_cpu_blocks(block_bytes)
+    # Refuse before anything opens: a directory that is not tiering's, or holds another layout.
+    errors = [
+        f.message
+        for f in check_tier_directories(config, BlockLayout(block_bytes, fingerprint, description))
+        if f.severity == "error"
+    ]
+    if errors:
+        raise ConfigError("; and ".join(errors))
     backends = [
-        _create_backend(tier, block_bytes=block_bytes, fingerprint=fingerprint, config=config)
+        _create_backend(
+            tier,
+            block_bytes=block_bytes,
+            fingerprint=fingerprint,
+            layout_description=description,
+            config=config,
+        )
         for tier in config.secondary_tiers
     ]
-    tiers = [_wrap_tier(t, b) for t, b in zip(config.secondary_tiers, backends, strict=True)]
+    tiers = [
+        _wrap_tier(t, b, f"{config.source}: secondary_tiers[{i}] ({t.name!r})")
+        for i, (t, b) in enumerate(zip(config.secondary_tiers, backends, strict=True))
+    ]
     for tier in config.secondary_tiers:
         _make_directory(tier)
     if pool is None:
@@ -1187,7 +1521,9 @@ def build_manager(
         config.events.enabled,
         store_threshold=config.primary.store_threshold,
     )
-    return TieringOffloadingManager(primary, tiers, pool=pool, enable_events=config.events.enabled)
+    return TieringOffloadingManager(
+        primary, tiers, pool=pool, enable_events=config.events.enabled, step_driven=step_driven
+    )
 
 
 def _create_backend(
@@ -1195,12 +1531,15 @@ def _create_backend(
     *,
     block_bytes: int,
     fingerprint: bytes,
+    layout_description: Mapping[str, Any] | None = None,
+    read_only: bool = False,
     config: TieringConfig | None = None,
 ) -> StorageBackend:
     where = f"tier {tier.name!r} ({tier.type})"
     if config is not None:
         index = config.secondary_tiers.index(tier)
         where = f"{config.source}: secondary_tiers[{index}] ({tier.name!r})"
+    tier = _resolve_tier(tier, where)
     try:
         return get_backend(tier.type).create(
             path=tier.path,
@@ -1208,21 +1547,54 @@ def _create_backend(
             block_bytes=block_bytes,
             fingerprint=fingerprint,
             settings=tier.settings,
+            layout_description=layout_description,
+            read_only=read_only,
         )
     except (ConfigurationError, ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def _wrap_tier(tier: TierConfig, backend: StorageBackend) -> SecondaryTier:
-    return SecondaryTier(
-        backend,
-        name=tier.name,
-        policy=tier.policy,
-        write_policy=tier.write_policy,
-        selective_min_lookups=tier.selective_min_lookups,
-        max_inflight_jobs=tier.max_inflight_jobs,
-        quarantine_seconds=tier.quarantine_seconds,
-    )
+def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> SecondaryTier:
+    """The tier over ``backend``: a :class:`SharedTier` when the backend says its store is
+    shared (``capabilities.shared``), which refuses what cannot work there (a policy, since
+    the store evicts; write_back); the existence-cache keys only for such a tier."""
+    try:
+        if backend.capabilities.shared:
+            if tier.policy != "lru":
+                raise ConfigurationError(
+                    f"policy {tier.policy!r}: a shared tier keeps no eviction order (the store "
+                    "evicts, e.g. Redis's maxmemory-policy); remove policy"
+                )
+            cache: dict[str, Any] = {}
+            if tier.existence_cache_seconds is not None:
+                cache["existence_cache_seconds"] = tier.existence_cache_seconds
+            if tier.existence_cache_max_keys is not None:
+                cache["existence_cache_max_keys"] = tier.existence_cache_max_keys
+            return SharedTier(
+                backend,
+                name=tier.name,
+                write_policy=tier.write_policy,
+                selective_min_lookups=tier.selective_min_lookups,
+                max_inflight_jobs=tier.max_inflight_jobs,
+                quarantine_seconds=tier.quarantine_seconds,
+                **cache,
+            )
+        if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
+            raise ConfigurationError(
+                "existence_cache_seconds and existence_cache_max_keys apply to shared tiers "
+                f"only, and the {tier.type!r} backend is not shared here"
+            )
+        return SecondaryTier(
+            backend,
+            name=tier.name,
+            policy=tier.policy,
+            write_policy=tier.write_policy,
+            selective_min_lookups=tier.selective_min_lookups,
+            max_inflight_jobs=tier.max_inflight_jobs,
+            quarantine_seconds=tier.quarantine_seconds,
+        )
+    except ConfigurationError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
 
 
 def _make_directory(tier: TierConfig) -> None:

@@ -14,21 +14,23 @@ and one per field of its settings class: a frozen dataclass it declares as
 ``settings_class: ClassVar[type]`` (none: the backend takes no other keys). The config parses a
 tier's other keys against that class (see :mod:`tiering.backends.settings`).
 
-Policy plugins (group ``tiering.policies``) use the same discovery, :data:`POLICY_PLUGINS`, from
-:mod:`tiering.policies.registry`. A broken entry point (import error, wrong class) fails only
-its own name, with a :class:`ConfigurationError` naming the entry point and its distribution.
+:func:`check_backend_type` checks a type without importing anything: a plugin's code runs only
+when :func:`get_backend` resolves it (when a manager is built). Discovery and imports go through
+:mod:`tiering.plugin_loader`, as for policy plugins (group ``tiering.policies``,
+:data:`POLICY_PLUGINS`). A broken entry point (import error, wrong class) fails only its own
+name, with a :class:`ConfigurationError` naming the entry point and its distribution.
+
+Adding a built-in backend is one entry in ``_BUILTINS``.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from tiering.backends.base import StorageBackend
 from tiering.backends.file import FileBackend
@@ -43,6 +45,8 @@ from tiering.backends.settings import (
     settings_fields,
 )
 from tiering.errors import ConfigurationError
+from tiering.plugin_loader import PluginGroup, check_import_path, import_object
+from tiering.policies.registry import POLICY_ENTRY_POINT_GROUP, POLICY_PLUGINS
 
 __all__ = [
     "BACKEND_ENTRY_POINT_GROUP",
@@ -55,6 +59,7 @@ __all__ = [
     "BackendEntry",
     "PluginGroup",
     "available_backends",
+    "check_backend_type",
     "get_backend",
     "import_object",
     "register_backend",
@@ -62,8 +67,13 @@ __all__ = [
 ]
 
 BACKEND_ENTRY_POINT_GROUP = "tiering.backends"
-POLICY_ENTRY_POINT_GROUP = "tiering.policies"
-BUILTIN_BACKENDS = ("file", "lmdb", "memory")
+#: The built-in backends: name, class, settings class.
+_BUILTINS: tuple[tuple[str, type[StorageBackend], type], ...] = (
+    ("file", FileBackend, FileSettings),
+    ("lmdb", LMDBBackend, LMDBSettings),
+    ("memory", MemoryBackend, MemorySettings),
+)
+BUILTIN_BACKENDS = tuple(name for name, _, _ in _BUILTINS)
 
 #: Tier keys the config handles itself; a settings class may not use them as keys.
 GENERIC_TIER_KEYS = (
@@ -76,13 +86,13 @@ GENERIC_TIER_KEYS = (
     "selective_min_lookups",
     "max_inflight_jobs",
     "quarantine_seconds",
+    "existence_cache_seconds",
+    "existence_cache_max_keys",
 )
 #: Backend and tier names: a letter, then up to 63 letters, digits, '_' or '-'.
 NAME_PATTERN = r"[A-Za-z][A-Za-z0-9_-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
 _REQUIRED_PARAMS = ("capacity_bytes", "block_bytes", "fingerprint")
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,11 @@ class BackendEntry:
     @property
     def accepts_path(self) -> bool:
         """Whether the backend takes a ``path`` (a directory it owns)."""
-        return "path" in inspect.signature(self.cls.__init__).parameters
+        return self.accepts("path")
+
+    def accepts(self, keyword: str) -> bool:
+        """Whether the backend's ``__init__`` names the keyword argument ``keyword``."""
+        return keyword in inspect.signature(self.cls.__init__).parameters
 
     def settings_fields(self) -> tuple[SettingsField, ...]:
         return settings_fields(self.settings_class)
@@ -110,8 +124,14 @@ class BackendEntry:
         block_bytes: int,
         fingerprint: bytes,
         settings: object,
+        layout_description: Mapping[str, Any] | None = None,
+        read_only: bool = False,
     ) -> StorageBackend:
-        """A new (not yet opened) backend: ``cls(path=..., capacity_bytes=..., ...)``."""
+        """A new (not yet opened) backend: ``cls(path=..., capacity_bytes=..., ...)``.
+
+        ``layout_description`` is passed if the class takes it. ``read_only`` (for
+        ``tiering inspect``) needs a class that takes it: :class:`ConfigurationError` otherwise.
+        """
         if not isinstance(settings, self.settings_class):
             raise ConfigurationError(
                 f"backend {self.name!r} takes settings of type "
@@ -122,6 +142,12 @@ class BackendEntry:
             if path is None:
                 raise ConfigurationError(f"backend {self.name!r} needs a path (a directory)")
             kwargs["path"] = path
+        if layout_description is not None and self.accepts("layout_description"):
+            kwargs["layout_description"] = layout_description
+        if read_only:
+            if not self.accepts("read_only"):
+                raise ConfigurationError(f"backend {self.name!r} has no read-only mode")
+            kwargs["read_only"] = True
         factory: Callable[..., StorageBackend] = self.cls  # concrete classes take more keywords
         return factory(
             capacity_bytes=capacity_bytes,
@@ -131,100 +157,7 @@ class BackendEntry:
         )
 
 
-# -- entry points ------------------------------------------------------------------------------
-
-
-class PluginGroup:
-    """The entry points of one group: discovered once (cached), each loaded on first use.
-
-    A load's result or error is cached too, so a broken plugin is imported once and fails
-    with the same message every time. :meth:`clear` forgets everything (after installing a
-    plugin at run time, or in tests).
-    """
-
-    def __init__(self, group: str, what: str) -> None:
-        self.group = group
-        self.what = what
-        self._entry_points: dict[str, list[importlib.metadata.EntryPoint]] | None = None
-        self._loaded: dict[str, object] = {}
-        self._errors: dict[str, ConfigurationError] = {}
-
-    def _discover(self) -> dict[str, list[importlib.metadata.EntryPoint]]:
-        if self._entry_points is None:
-            found: dict[str, list[importlib.metadata.EntryPoint]] = {}
-            for ep in importlib.metadata.entry_points(group=self.group):
-                same = found.setdefault(ep.name.lower(), [])
-                if all(other.value != ep.value for other in same):  # a dist seen twice on sys.path
-                    same.append(ep)
-            self._entry_points = found
-        return self._entry_points
-
-    def names(self) -> tuple[str, ...]:
-        """The entry-point names of the group (lower case), sorted; imports nothing."""
-        return tuple(sorted(self._discover()))
-
-    def describe(self, name: str) -> str:
-        """``entry point 'x = pkg.mod:Cls' (group ..., distribution 'pkg 1.0')``, for messages."""
-        return " and ".join(_describe_entry_point(ep) for ep in self._discover().get(name, []))
-
-    def load(self, name: str, check: Callable[[object, str], _T]) -> _T | None:
-        """The checked object of entry point ``name``, or None if there is no such entry point.
-
-        ``check(obj, what)`` validates the loaded object (``what`` describes the entry point
-        for its messages) and returns what to cache. Raises :class:`ConfigurationError` if the
-        entry point is ambiguous, fails to import, or does not pass ``check``.
-        """
-        key = name.lower()
-        if key in self._loaded:
-            return self._loaded[key]  # type: ignore[return-value]
-        if key in self._errors:
-            raise self._errors[key]
-        entry_points = self._discover().get(key)
-        if not entry_points:
-            return None
-        try:
-            result = self._load_checked(key, entry_points, check)
-        except ConfigurationError as exc:
-            self._errors[key] = exc
-            raise
-        self._loaded[key] = result
-        return result
-
-    def _load_checked(
-        self,
-        key: str,
-        entry_points: list[importlib.metadata.EntryPoint],
-        check: Callable[[object, str], _T],
-    ) -> _T:
-        if len(entry_points) > 1:
-            raise ConfigurationError(
-                f"{self.what} {key!r} is provided by more than one plugin: "
-                f"{self.describe(key)}; uninstall one of them"
-            )
-        (ep,) = entry_points
-        what = _describe_entry_point(ep)
-        try:
-            obj = ep.load()
-        except Exception as exc:  # a plugin may fail in any way while importing
-            raise ConfigurationError(
-                f"{self.what} {key!r}: cannot load {what}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return check(obj, f"{self.what} {key!r} from {what}")
-
-    def clear(self) -> None:
-        self._entry_points = None
-        self._loaded.clear()
-        self._errors.clear()
-
-
-def _describe_entry_point(ep: importlib.metadata.EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    dist_text = f"{dist.name} {dist.version}" if dist is not None else "unknown"
-    return f"entry point '{ep.name} = {ep.value}' (group {ep.group!r}, distribution {dist_text!r})"
-
-
 BACKEND_PLUGINS = PluginGroup(BACKEND_ENTRY_POINT_GROUP, "backend")
-POLICY_PLUGINS = PluginGroup(POLICY_ENTRY_POINT_GROUP, "policy")
 
 
 def rescan_plugins() -> None:
@@ -232,27 +165,6 @@ def rescan_plugins() -> None:
     BACKEND_PLUGINS.clear()
     POLICY_PLUGINS.clear()
     _by_import_path.clear()
-
-
-def import_object(path: str, what: str) -> object:
-    """The object at ``"package.module:Attribute"``; :class:`ConfigurationError` if missing."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(f"{what}: an import path looks like 'package.module:Class'")
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ConfigurationError(
-            f"{what}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigurationError(
-                f"{what}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
-    return obj
 
 
 # -- the backend registry ------------------------------------------------------------------------
@@ -303,16 +215,48 @@ def available_backends() -> tuple[str, ...]:
     return tuple(sorted({*_registry, *BACKEND_PLUGINS.names()}))
 
 
+def check_backend_type(name: str) -> BackendEntry | None:
+    """Check a tier type without importing plugin code; its entry if it is tiering's own.
+
+    Built-in and registered names give their entry, and so does an entry point of tiering's
+    own distribution (``redis``: imported here, as it is part of tiering). A plugin's entry
+    point name or a well-formed ``"module:Class"`` path gives None: its class (and so its
+    settings) is known only once :func:`get_backend` imports it. Raises
+    :class:`ConfigurationError` for anything else, listing the known names.
+    """
+    _check_type_is_text(name)
+    if ":" in name:
+        check_import_path(name, f"backend path {name!r}")
+        return None
+    entry = _registry.get(name.lower())
+    if entry is not None:
+        return entry
+    if name.lower() not in BACKEND_PLUGINS.names():
+        raise _unknown(name)
+    return get_backend(name) if BACKEND_PLUGINS.is_own(name) else None
+
+
+def _check_type_is_text(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(
+            f"a backend type must be a non-empty string, got {type(name).__name__}: {name!r:.80}"
+        )
+
+
+def _unknown(name: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"unknown backend type {name!r}; known backends: {', '.join(available_backends())} "
+        "(or a 'package.module:Class' path to a StorageBackend subclass)"
+    )
+
+
 def get_backend(name: str) -> BackendEntry:
     """The backend registered or discovered as ``name``, or imported from ``"module:Class"``.
 
     Raises :class:`ConfigurationError` listing the known names if ``name`` is unknown, or
     saying why a plugin or import path does not give a usable backend class.
     """
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(
-            f"a backend type must be a non-empty string, got {type(name).__name__}: {name!r:.80}"
-        )
+    _check_type_is_text(name)
     if ":" in name:
         return _from_import_path(name)
     key = name.lower()
@@ -325,10 +269,7 @@ def get_backend(name: str) -> BackendEntry:
 
     loaded = BACKEND_PLUGINS.load(key, check)
     if loaded is None:
-        raise ConfigurationError(
-            f"unknown backend type {name!r}; known backends: {', '.join(available_backends())} "
-            "(or a 'package.module:Class' path to a StorageBackend subclass)"
-        )
+        raise _unknown(name)
     return loaded
 
 
@@ -376,9 +317,5 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-for _name, _cls, _settings in (
-    ("file", FileBackend, FileSettings),
-    ("lmdb", LMDBBackend, LMDBSettings),
-    ("memory", MemoryBackend, MemorySettings),
-):
+for _name, _cls, _settings in _BUILTINS:
     _add(_make_entry(_name, _cls, _settings, "built-in", f"backend {_name!r}"), replace=False)

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Collection, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import cachetools
 import numpy as np
@@ -73,6 +73,7 @@ class TierKeyState(enum.IntEnum):
     ABSENT = 0
     READY = 1
     WRITING = 2
+    UNKNOWN = 3  # a shared tier knows nothing of it: the store must be asked (shared_tier)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class TierJob:
     Await a submitted job with ``await job``.
     """
 
-    kind: str  # "store", "write_back", "promote", "open", "delete", "close"
+    kind: str  # "store", "write_back", "promote", "check", "open", "delete", "close"
     tier: SecondaryTier
     keys: tuple[bytes, ...]
     io: Coroutine[Any, Any, Any]
@@ -177,6 +178,9 @@ class SecondaryTier:
     key whose promotion failed is treated as absent.
     """
 
+    #: Whether the backend's store is shared with other engine nodes (:mod:`tiering.shared_tier`).
+    shared: ClassVar[bool] = False
+
     def __init__(
         self,
         backend: StorageBackend,
@@ -192,6 +196,12 @@ class SecondaryTier:
         self.backend = backend
         self.name = name or backend.name
         self.medium = self.name.upper()
+        if backend.capabilities.shared and not self.shared:
+            raise ConfigurationError(
+                f"tier {self.name!r}: the {backend.name!r} backend is shared (others write and "
+                "evict its store), and this tier evicts by deleting: it would delete other "
+                "nodes' blocks. Run it as a tiering.shared_tier.SharedTier (build_manager does)"
+            )
         try:
             self.write_policy = WritePolicy(write_policy)
         except ValueError:
@@ -593,7 +603,7 @@ class SecondaryTier:
         try:
             if victims:
                 await self.backend.delete(list(victims))
-            outcomes = await self.backend.put(list(keys), list(buffers))
+            outcomes = await self._put(list(keys), list(buffers))
             if len(outcomes) != len(keys):
                 outcomes = [FAILED] * len(keys)  # a backend breaking its contract fails the job
         except asyncio.CancelledError:
@@ -602,6 +612,10 @@ class SecondaryTier:
             logger.debug("tier %r: write of %d blocks failed", self.name, len(keys), exc_info=True)
             outcomes = [FAILED] * len(keys)
         return IOResult(outcomes, time.perf_counter() - start)
+
+    async def _put(self, keys: list[bytes], buffers: list[memoryview]) -> list[Outcome]:
+        """The backend call that writes a store job's blocks."""
+        return await self.backend.put(keys, buffers)
 
     async def _read(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> IOResult:
         """Read ``keys`` into ``buffers``."""

@@ -16,6 +16,13 @@ The tiers own their jobs (:mod:`tiering.tier`): a tier decides what to write or 
 room, counts, and builds the I/O; this manager only holds the primary rows a job uses, submits
 the job, emits its events, and hands its result back to the tier.
 
+A shared tier (:mod:`tiering.shared_tier`, at most one, the last) has no index: a key that no
+local tier holds, and that the shared tier knows nothing of (``TierKeyState.UNKNOWN``), joins its
+request's batch like a promotion and answers ``RETRY``; the batch's unknown keys become one
+existence check of the shared tier, and the keys it finds are promoted when its result applies.
+Without a shared tier none of this runs: no tier answers UNKNOWN, and an absent key takes the
+same branches as before.
+
 Threads. Every protocol call runs on the caller's thread and never blocks on I/O: jobs run on a
 private I/O loop thread (:class:`~tiering.io_loop.IOLoop`); a finished job only enqueues its
 result, which is applied on the caller's thread. All metadata is therefore touched by one
@@ -77,6 +84,7 @@ from tiering.protocol import (
     reject_positional,
     request_key,
 )
+from tiering.shared_tier import SharedTier
 from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
 
 __all__ = ["TieringOffloadingManager"]
@@ -198,6 +206,20 @@ class TieringOffloadingManager(OffloadingManager):
         self._stats_seen: ManagerStats = {}
         self._closed = False
         self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
+        shared = [i for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)]
+        if len(shared) > 1:
+            raise ConfigurationError(
+                f"at most one shared tier, got {[self.tiers[i].name for i in shared]}"
+            )
+        if shared and shared[0] != len(self.tiers) - 1:
+            raise ConfigurationError(
+                f"the shared tier {self.tiers[shared[0]].name!r} must be the last tier: a "
+                "lookup asks it only once every local tier has missed"
+            )
+        self._shared_index = shared[0] if shared else -1
+        self._shared: SharedTier | None = (
+            cast(SharedTier, self.tiers[shared[0]]) if shared else None
+        )
         if self._write_back_tiers:
             primary.set_eviction_hook(self._on_primary_evict)
         self._epoch = -1  # the tiers open before the first step: its boundary applies them
@@ -355,7 +377,11 @@ class TieringOffloadingManager(OffloadingManager):
             return RETRY
         if self._counts_lookups:
             self._count_lookup(key)
-        return HIT_PENDING if state is TierKeyState.WRITING else MISS
+        if state is ABSENT:
+            return MISS
+        if state is TierKeyState.WRITING:
+            return HIT_PENDING
+        return self._lookup_shared(key, req_context)  # UNKNOWN: only a shared tier says it
 
     def lookup_prefix(
         self, keys: Iterable[OffloadKey], *misplaced: object, req_context: object = None
@@ -436,6 +462,8 @@ class TieringOffloadingManager(OffloadingManager):
             return KeyState.ABSENT
         if state is TierKeyState.READY:
             self.tiers[index].count_lookup_hit()
+            promotable[key] = index
+        elif state is TierKeyState.UNKNOWN:  # a shared tier: asked with the request's batch
             promotable[key] = index
         return KeyState.PENDING
 
@@ -542,12 +570,70 @@ class TieringOffloadingManager(OffloadingManager):
     def _start_promotions(self, by_tier: dict[int, list[bytes]], req_context: object) -> None:
         for index, keys in by_tier.items():
             keys = [k for k in dict.fromkeys(keys) if k not in self._promoting]
+            if index == self._shared_index:
+                keys = self._check_shared(keys, req_context)
             if not keys:
                 continue
             if not self.tiers[index].has_capacity_for_job:
                 self._wait_for_job_slot(index, keys, req_context)  # loads wait; stores are shed
                 continue
             self._start_promotion(index, keys, req_context)
+
+    # -- the shared tier ---------------------------------------------------------------------------
+
+    def location_unknown(self, key: OffloadKey) -> bool:
+        """Whether a ``RETRY`` for ``key`` waits for the shared tier's existence check (no tier
+        knows where the key is: it may turn out absent) rather than for a promotion. For an
+        adapter whose engine tells the two apart (vLLM's ``RETRY`` / ``HIT_PENDING``). No side
+        effects."""
+        shared = self._shared
+        if shared is None or self.primary.lookup(key) is not False:
+            return False
+        for tier in self.tiers[:-1]:  # the shared tier is the last
+            if tier.state(key) is not ABSENT:
+                return False
+        return shared.is_unknown(key)
+
+    def _lookup_shared(self, key: bytes, req_context: object) -> LookupResult:
+        """A key no local tier holds and the shared tier knows nothing of: it joins the
+        request's batch, to be asked about with the batch's other unknown keys: RETRY."""
+        owner = request_key(req_context)
+        if key in self._batched:
+            if not self.step_driven:
+                self._flush_promotions()  # asked again: stop batching, ask now
+            return RETRY
+        self._batch_promotion(key, self._shared_index, req_context, owner)
+        return RETRY
+
+    def _check_shared(self, keys: list[bytes], req_context: object) -> list[bytes]:
+        """Submit one existence check for the keys the shared tier knows nothing of (RETRY
+        while it runs); return the keys it knows are present, to promote now."""
+        shared = cast(SharedTier, self._shared)
+        present, unknown = shared.partition(keys)
+        primary = self.primary
+        unknown = [k for k in unknown if k not in primary]
+        if unknown:
+            job = shared.start_check(unknown, req_context=req_context)
+            if job is not None:
+                for key in job.keys:
+                    self._promoting[key] = self._shared_index
+                self._submit(job, self._check_done)
+        return present
+
+    def _check_done(self, job: TierJob, result: object) -> None:
+        """Promote the keys an existence check found (the tier cached every answer)."""
+        shared = cast(SharedTier, self._shared)
+        present = shared.finish_check(job, result)
+        promoting = self._promoting
+        for key in job.keys:
+            promoting.pop(key, None)
+        keys = [k for k in present if k not in promoting]
+        if not keys:
+            return
+        if shared.has_capacity_for_job:
+            self._start_promotion(self._shared_index, keys, job.req_context)
+        else:
+            self._wait_for_job_slot(self._shared_index, keys, job.req_context)
 
     def _wait_for_job_slot(self, index: int, keys: list[bytes], req_context: object) -> None:
         self._waiting.setdefault(index, []).append((req_context, keys, None))

@@ -37,6 +37,7 @@ from vllm_harness import (
     vllm_config,
 )
 
+from tiering.backends.ownership import LayoutMismatchError
 from tiering.errors import ConfigError
 from tiering.integrations import vllm_plugin
 from tiering.integrations.vllm_layout import layout_fingerprint
@@ -290,12 +291,23 @@ def test_restart_with_another_layout_serves_nothing(
     drivers.remove(first)
     first.shutdown()
 
-    config = offloading_config(tiering_spec_extra(CPU_CHUNKS, two_tiers(tmp_path)))
-    replaced = {
-        section: dataclasses.replace(getattr(config, section), **fields)
-        for section, fields in change.items()
-    }
-    second = ManagerDriver.create(dataclasses.replace(config, **replaced))
+    def changed(tiers: list[dict[str, Any]]) -> Any:
+        config = offloading_config(tiering_spec_extra(CPU_CHUNKS, tiers))
+        replaced = {
+            section: dataclasses.replace(getattr(config, section), **fields)
+            for section, fields in change.items()
+        }
+        return dataclasses.replace(config, **replaced)
+
+    # By default a tier refuses data of another layout: nothing is emptied behind the operator.
+    with pytest.raises(LayoutMismatchError, match="holds blocks written for another layout"):
+        ManagerDriver.create(changed(two_tiers(tmp_path)))
+    # Told to wipe it, the tier starts empty and serves none of the old blocks.
+    wipe = [
+        file_tier(tmp_path, on_layout_mismatch="wipe"),
+        lmdb_tier(tmp_path, on_layout_mismatch="wipe"),
+    ]
+    second = ManagerDriver.create(changed(wipe))
     drivers.append(second)
     assert [len(t.policy) for t in second.tiers] == [0, 0]
     assert second.lookup(second.new_request("r3"), a) == [MISS] * 4
@@ -431,6 +443,15 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
         ({"backend": "memory", "capacity": "1MiB", "tier": "x"}, "'tier' names a tier"),
         ({"tiering_config": "t.yaml", "backend": "memory"}, "not both"),
         ({"tiering_config": "/nonexistent/t.yaml"}, "/nonexistent/t.yaml"),
+        (
+            {
+                "backend": "redis",
+                "capacity": "1GiB",
+                "url": "redis://127.0.0.1:1/0",
+                "shared": True,
+            },
+            "backend is shared",
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_tier_entry_is_a_config_error_naming_it(entry: dict[str, Any], message: str) -> None:

@@ -34,22 +34,40 @@ Lifecycle
     ``open`` prepares storage and, for a persistent backend, rebuilds the index from what is
     stored, keeping only entries that verify; it returns the recovered keys. ``close`` waits for
     in-flight operations and releases everything; it is idempotent. ``async with`` does both.
+Files
+    A backend that keeps files in a directory (a ``path``) writes only into a directory that is
+    empty or absent when it first opens it, or that carries tiering's marker
+    (:mod:`tiering.backends.ownership`), and creates only files matching its ``owned_files``
+    patterns there: those are all that ``tiering wipe`` and ``replay --fresh`` delete.
+    Damaged files are never a crash: what does not verify is a miss, and is counted.
 Shared stores (``capabilities.shared``)
     A shared backend's store is written and evicted by others too (other engine nodes, the
     store's own eviction), so it is its own index: ``open`` enumerates nothing and returns no
     keys, ``contains`` asks the store (one batched round trip), and a key it reported may be
     gone by the next ``get`` (``MISSING``). Its capacity is the store's: ``put`` is ``FULL``
-    only when the store refuses for lack of room.
+    only when the store refuses for lack of room. Such a backend is run by a
+    :class:`~tiering.shared_tier.SharedTier`, which never deletes and never evicts.
+Optional methods (defaults here; a shared backend should override both)
+    ``exists`` answers like ``contains`` but may say "unknown" (None) for a key whose part of
+    the store did not answer, which a shared tier must not remember as "absent". The default
+    is ``contains`` (never None). ``put_if_absent`` writes only the blocks the store does not
+    hold: a block already stored is ``OK``, left as it is and counted in
+    ``stats.extra["put_skipped_present"]``. The default is ``contains`` then ``put`` of the
+    absent ones: correct, but two writers racing on one key may both write it (the later
+    write replaces an identical block). A backend whose store has an atomic set-if-absent
+    (Redis ``MSETNX``, S3 ``If-None-Match: *``, Memcached ``add``) overrides it, so that
+    every block is written once however many engine nodes store it at the same time.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self, TypeGuard
+from typing import Any, ClassVar, Self, TypeGuard
 
 __all__ = [
     "BackendCapabilities",
@@ -103,19 +121,41 @@ class StorageBackend(ABC):
 
     Concrete backends take their settings in ``__init__`` (no I/O there) and always receive
     ``block_bytes`` (the payload size of every block) and ``fingerprint`` (16 bytes naming the
-    layout the blocks belong to; see ``block_format.make_layout_fingerprint``).
+    layout the blocks belong to; see ``block_format.make_layout_fingerprint``). A backend may
+    also accept ``layout_description`` (what the fingerprint stands for, see
+    :func:`tiering.identity.layout_identity`), to name layouts in its messages and marker.
     """
 
     #: The name the backend is registered under ("file", "lmdb", ...).
     name: ClassVar[str]
+    #: Glob patterns of the files the backend creates in its directory (``path``): all that
+    #: tiering ever deletes there (see :mod:`tiering.backends.ownership`).
+    owned_files: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, *, block_bytes: int, fingerprint: bytes) -> None:
+    @classmethod
+    def recognizes_directory(cls, path: Path) -> bool:
+        """Whether ``path`` (no tiering marker, only files matching ``owned_files``) holds
+        files this backend wrote (an earlier version of tiering wrote no marker). Reads only."""
+        return False
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int,
+        fingerprint: bytes,
+        layout_description: Mapping[str, Any] | None = None,
+    ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
             raise ValueError(f"fingerprint must be 16 bytes, got {fingerprint!r:.60}")
+        if layout_description is not None and not isinstance(layout_description, Mapping):
+            raise ValueError(
+                f"layout_description must be a mapping, got {layout_description!r:.60}"
+            )
         self.block_bytes = block_bytes
         self.fingerprint = fingerprint
+        self.layout_description = layout_description
         self.stats = BackendStats()
 
     # -- capabilities and accounting (cheap, no I/O) -------------------------------------------
@@ -184,6 +224,51 @@ class StorageBackend(ABC):
     @abstractmethod
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete each key; True if it was stored."""
+
+    # -- optional operations (the pieces of a shared tier; see the module docstring) -------------
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Whether the store holds each key: True, False, or None where it cannot tell (the
+        node holding the key did not answer). Verifies nothing. The default is :meth:`contains`
+        (never None)."""
+        present: list[bool | None] = list(await self.contains(keys))
+        return present
+
+    async def put_if_absent(
+        self, keys: Sequence[bytes], values: Sequence[memoryview]
+    ) -> list[Outcome]:
+        """Store ``values[i]`` under ``keys[i]`` unless the store holds ``keys[i]`` already:
+        then it is ``OK``, not rewritten, and counted in ``stats.extra["put_skipped_present"]``.
+        ``OK``, ``FULL`` or ``FAILED`` per key, like :meth:`put`, and the same errors for misuse.
+
+        The default asks :meth:`contains`, then :meth:`put` of the absent keys: not atomic, so
+        two writers racing on one key may both write it. Override it with the store's own
+        set-if-absent where there is one.
+        """
+        if len(values) != len(keys):
+            raise ValueError(f"put_if_absent got {len(keys)} keys but {len(values)} values")
+        for i, value in enumerate(values):
+            try:
+                nbytes = memoryview(value).nbytes
+            except TypeError:
+                kind = type(value).__name__
+                raise ValueError(f"value {i} must be a buffer, got {kind}") from None
+            if nbytes != self.block_bytes:
+                raise ValueError(
+                    f"value {i} is {nbytes} bytes; every block is {self.block_bytes} bytes"
+                )
+        present = await self.contains(keys)
+        absent = [i for i, p in enumerate(present) if not p]
+        results = [Outcome.OK] * len(present)
+        if absent:
+            written = await self.put([keys[i] for i in absent], [values[i] for i in absent])
+            for i, outcome in zip(absent, written, strict=True):
+                results[i] = outcome
+        skipped = len(present) - len(absent)
+        if skipped:
+            extra = self.stats.extra
+            extra["put_skipped_present"] = extra.get("put_skipped_present", 0) + skipped
+        return results
 
 
 def is_block_view(buf: object, nbytes: int, *, writable: bool) -> TypeGuard[memoryview]:

@@ -1,7 +1,9 @@
 """The local-NVMe file backend: fixed-size slots in one preallocated file.
 
 Layout
-    The backend owns a directory (mode 0700) holding ``slots.bin`` and ``manifest.json``.
+    The backend owns a directory (mode 0700) holding ``slots.bin``, ``manifest.json`` and
+    tiering's marker (:mod:`tiering.backends.ownership`): it claims only an absent or empty
+    directory, or one that carries the marker, and refuses any other.
     ``slots.bin`` is ``capacity_blocks`` slots of ``slot_bytes`` each, preallocated with
     ``posix_fallocate`` so that writes into it cannot run out of space. A slot is a 4096-byte
     *header area* followed by the payload rounded up to 4096 bytes (so every slot, header and
@@ -77,11 +79,15 @@ Recovery
     reads and checksums every payload; ``"trust_header"`` checks header, key, fingerprint,
     stamp and that the file holds the whole payload, leaving payload checks to ``get``;
     ``"wipe"`` starts empty). A slot that cannot be read (EIO) is skipped, not zeroed: an I/O
-    error is no proof of damage, and a later open may recover it. A capacity change keeps the
-    entries of the slots that still fit. If the
-    manifest is missing, unreadable or disagrees on block size, slot size, format or
-    fingerprint, the old data are not trusted: the file is emptied and
-    ``stats.extra["manifest_mismatch"]`` counts it. When one key is found in two slots (a crash
+    error is no proof of damage, and a later open may recover it. Every slot that held
+    something and is not recovered is counted: rejected (its header, stamp or payload does not
+    verify, or it is not zero and has no header), unreadable, missing from a truncated file, or
+    past the capacity (a capacity change keeps the entries of the slots that still fit). If
+    the manifest (or, without one, the marker) names another block size, fingerprint or slot
+    format, the data are another layout's: the open is refused (``on_layout_mismatch``), or
+    they are set aside or wiped as configured, never emptied silently. A missing or damaged
+    manifest costs a full verification of every slot (``manifest_damaged``), not the data.
+    When one key is found in two slots (a crash
     between writing a new slot and invalidating the old one), the copy with the highest
     sequence number that verifies is kept: newer wins, and a torn newer copy (an
     unacknowledged put) falls back to the older, acknowledged one. Losing copies and rejected
@@ -109,7 +115,7 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +142,21 @@ from tiering.backends.block_format import (
     verify_block,
 )
 from tiering.backends.lanes import run_in_lanes
+from tiering.backends.ownership import (
+    LayoutMismatchError,
+    LayoutRecord,
+    MismatchPolicy,
+    TierDirectory,
+    TierMarker,
+    check_backend,
+    claim_directory,
+    created_by,
+    examine_directory,
+    foreign_directory_error,
+    set_aside,
+    write_marker,
+)
+from tiering.backends.settings import Durability, RecoverMode
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -151,9 +172,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-Durability = Literal["none", "fsync"]
-RecoverMode = Literal["verify", "trust_header", "wipe"]
 
 ALIGN_BYTES = 4096  # O_DIRECT alignment of addresses, lengths and offsets
 HEADER_AREA_BYTES = 4096  # the block header + stamp, padded to the alignment
@@ -175,6 +193,8 @@ _MAX_IO_THREADS = 64
 _MAX_BATCH_BLOCKS = 1024
 
 _T = TypeVar("_T")
+# A parsed manifest; None: there is none; "damaged": there is one, but not one we wrote.
+_Manifest = dict[str, object] | Literal["damaged"] | None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -245,8 +265,10 @@ class _Found:
 @dataclass(slots=True)
 class _ScanResult:
     found: list[_Found]
-    rejected: list[int]  # slots whose header had our magic but did not verify
+    rejected: list[int]  # slots that held something that did not verify
     read_errors: int
+    missing: int = 0  # slots past the end of a truncated file
+    over_capacity: int = 0  # used slots past the capacity (dropped)
 
 
 class _Scratch:
@@ -372,13 +394,31 @@ class FileBackend(StorageBackend):
         The system-call seam (:class:`~tiering.backends._fileops.FileOps`); tests pass a
         fault-injecting one. Defaults to plain ``os`` calls.
 
-    ``stats.extra`` keys: ``put_full``, ``recovered``, ``recovery_rejected``,
-    ``recovery_duplicates``, ``recovery_read_errors``, ``manifest_mismatch``,
-    ``untrusted_files_removed``, ``stale_temp_removed``, ``o_direct_bounces``,
-    ``fsync_failures``, ``invalidate_failures``.
+    on_layout_mismatch:
+        When the directory holds blocks of another layout (block size or fingerprint):
+        ``"refuse"`` to open (:class:`~tiering.backends.ownership.LayoutMismatchError`, nothing
+        changed), ``"set_aside"`` (move the files to a sibling folder) or ``"wipe"`` (delete
+        them).
+    read_only:
+        Open for reading only (``tiering inspect``): no file is created, changed or deleted;
+        ``put`` and ``delete`` raise :class:`BackendError`; a layout mismatch always raises.
+    layout_description:
+        What the fingerprint stands for (written in the directory's marker, named in errors).
+
+    ``stats.extra`` keys: ``put_full``, ``recovered``, ``recovery_rejected`` (slots that held
+    something that did not verify), ``recovery_duplicates``, ``recovery_read_errors``,
+    ``recovery_missing_slots`` (slots past the end of a truncated file),
+    ``recovery_over_capacity`` (used slots past the capacity, dropped), ``manifest_damaged``,
+    ``layout_mismatches``, ``untrusted_files_removed``, ``stale_temp_removed``,
+    ``o_direct_bounces``, ``fsync_failures``, ``invalidate_failures``.
     """
 
     name: ClassVar[str] = "file"
+    owned_files: ClassVar[tuple[str, ...]] = (
+        SLOTS_NAME,
+        MANIFEST_NAME,
+        f"{_TMP_PREFIX}*{_TMP_SUFFIX}",
+    )
 
     def __init__(
         self,
@@ -392,9 +432,16 @@ class FileBackend(StorageBackend):
         recover: RecoverMode = "verify",
         io_threads: int = 2,
         batch_blocks: int = 16,
+        on_layout_mismatch: MismatchPolicy = "refuse",
+        read_only: bool = False,
+        layout_description: Mapping[str, Any] | None = None,
         file_ops: FileOps | None = None,
     ) -> None:
-        super().__init__(block_bytes=block_bytes, fingerprint=fingerprint)
+        super().__init__(
+            block_bytes=block_bytes,
+            fingerprint=fingerprint,
+            layout_description=layout_description,
+        )
         if block_bytes > _MAX_BLOCK_BYTES:
             raise ConfigurationError(
                 f"block_bytes must be at most {_MAX_BLOCK_BYTES} for the file backend, "
@@ -412,6 +459,9 @@ class FileBackend(StorageBackend):
             )
         _check_choice("durability", durability, Durability)
         _check_choice("recover", recover, RecoverMode)
+        _check_choice("on_layout_mismatch", on_layout_mismatch, MismatchPolicy)
+        if not isinstance(read_only, bool):
+            raise ConfigurationError(f"read_only must be a bool, got {read_only!r}")
         if not isinstance(o_direct, bool):
             raise ConfigurationError(f"o_direct must be a bool, got {o_direct!r}")
         if o_direct and not hasattr(os, "O_DIRECT"):
@@ -424,6 +474,8 @@ class FileBackend(StorageBackend):
         self.o_direct = o_direct
         self.durability: Durability = durability
         self.recover: RecoverMode = recover
+        self.on_layout_mismatch: MismatchPolicy = on_layout_mismatch
+        self.read_only = read_only
         self.io_threads = io_threads
         self.batch_blocks = batch_blocks
         self._ops = file_ops or FileOps()
@@ -451,6 +503,7 @@ class FileBackend(StorageBackend):
         self._max_run = max(1, min(batch_blocks, os.sysconf("SC_IOV_MAX") // 3))
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._fd = -1
+        self._dir_fd = -1
         self._pool: ThreadPoolExecutor | None = None
         self._index: dict[bytes, _Entry] = {}
         self._slots = _SlotTable(0, set())
@@ -468,7 +521,10 @@ class FileBackend(StorageBackend):
             "recovery_rejected",
             "recovery_duplicates",
             "recovery_read_errors",
-            "manifest_mismatch",
+            "recovery_missing_slots",
+            "recovery_over_capacity",
+            "manifest_damaged",
+            "layout_mismatches",
             "untrusted_files_removed",
             "stale_temp_removed",
             "o_direct_bounces",
@@ -551,9 +607,10 @@ class FileBackend(StorageBackend):
         assert self._idle is not None
         await self._idle.wait()
         try:
-            error = await self._call(self._sync)
-            if error is not None:
-                logger.error("file backend %s: final fdatasync failed: %s", self.path, error)
+            if self._fd >= 0 and not self.read_only:
+                error = await self._call(self._sync)
+                if error is not None:
+                    logger.error("file backend %s: final fdatasync failed: %s", self.path, error)
         finally:
             self._release_resources()
             self._state = "closed"
@@ -567,58 +624,195 @@ class FileBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 self._ops.close(self._fd)
             self._fd = -1
+        if self._dir_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)  # releases the directory's flock
+            self._dir_fd = -1
         self._index = {}
         self._slots = _SlotTable(0, set())
 
     async def _open_storage(self) -> list[bytes]:
-        await self._prepare_directory()
-        trusted = await self._manifest_matches()
-        self._fd = await self._open_slot_file()
-        size = await self._call(self._ops.size, self._fd)
-        wipe = self.recover == "wipe" or not trusted
-        if not trusted and size > 0:
-            self.stats.extra["manifest_mismatch"] += 1
+        found = await self._call(self._examine_or_claim)
+        if found.state == "absent":  # read-only: nothing was ever stored here
+            self._rebuild_index(_ScanResult([], [], 0))
+            return []
+        manifest = await self._read_manifest()
+        on_disk = self._stored_layout(manifest, found)
+        data_bytes = await self._call(self._slot_file_bytes)
+        if data_bytes and on_disk is not None and not self._layout_matches(manifest, on_disk):
+            await self._call(self._resolve_mismatch, on_disk)
+            manifest, data_bytes = None, 0
+        verify = self.recover == "verify"
+        if data_bytes and not isinstance(manifest, dict):
+            # The manifest is gone or unreadable but the directory is ours: every slot still
+            # verifies itself (header, fingerprint, payload checksum), so check each in full.
+            self.stats.extra["manifest_damaged"] += 1
             logger.warning(
-                "file backend %s: manifest missing or for another layout; starting empty",
+                "file backend %s: %s is missing or damaged; verifying every slot",
                 self.path,
+                MANIFEST_NAME,
             )
-        if wipe and size > 0:
-            await self._call(self._ops.ftruncate, self._fd, 0)
-            await self._call(self._ops.fdatasync, self._fd)
-            size = 0
+            verify = True
+        self._fd = await self._open_slot_file()
+        if self._fd < 0:  # read-only, no slot file
+            self._rebuild_index(_ScanResult([], [], 0))
+            return []
+        size = await self._call(self._ops.size, self._fd)
         scan = _ScanResult([], [], 0)
-        if not wipe:
-            scan = await self._scan(size)
-        await self._call(self._preallocate, size)
+        if self.recover == "wipe":
+            if size > 0 and not self.read_only:
+                await self._call(self._ops.ftruncate, self._fd, 0)
+                await self._call(self._ops.fdatasync, self._fd)
+                size = 0
+        else:
+            scan = await self._scan(size, verify, manifest)
+        if not self.read_only:
+            await self._call(self._preallocate, size)
         recovered = self._rebuild_index(scan)
-        if scan.rejected:
+        if scan.rejected and not self.read_only:
             try:  # zero rejected and losing copies so that no later open considers them again
                 await self._call(self._invalidate_slots, scan.rejected, True)
             except OSError as exc:
                 logger.warning("file backend %s: invalidation failed: %s", self.path, exc)
                 self.stats.extra["invalidate_failures"] += 1
-        await self._write_manifest()
+        if not self.read_only:
+            await self._write_manifest()
+            await self._call(write_marker, self.path, self._marker())
         return recovered
 
-    async def _prepare_directory(self) -> None:
+    # -- the directory, its marker and its manifest ---------------------------------------------
+
+    @classmethod
+    def recognizes_directory(cls, path: Path) -> bool:
+        """A directory of an earlier tiering: its manifest names this backend's format."""
         try:
-            await aiofiles.os.makedirs(self.path, mode=0o700, exist_ok=True, executor=self._pool)
-            st = await aiofiles.os.stat(self.path, executor=self._pool)
-        except OSError as exc:
-            raise BackendError(f"cannot create the directory {str(self.path)!r}: {exc}") from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise BackendError(f"{str(self.path)!r} is not a directory")
-        if st.st_mode & 0o022:
+            with open(path / MANIFEST_NAME, "rb", opener=_nofollow_opener(0)) as f:
+                manifest = json.loads(f.read(_MANIFEST_MAX_BYTES))
+        except (OSError, ValueError):
+            return False
+        return isinstance(manifest, dict) and manifest.get("format") == _MANIFEST_FORMAT
+
+    def _configured_layout(self) -> LayoutRecord:
+        return LayoutRecord(self.block_bytes, self.fingerprint, self.layout_description)
+
+    def _marker(self) -> TierMarker:
+        return TierMarker(
+            self.name,
+            f"{_MANIFEST_FORMAT}/{SLOT_FORMAT_VERSION}",
+            self._configured_layout(),
+            created_by(),
+        )
+
+    def _examine_or_claim(self) -> TierDirectory:
+        """Claim the directory (refusing one that is not tiering's); read-only: just look."""
+        what = "the file backend's directory"
+        if self.read_only:
+            found = examine_directory(
+                self.path, owned_files=self.owned_files, recognizes=self.recognizes_directory
+            )
+            if found.state == "foreign":
+                raise foreign_directory_error(found, what=what)
+            check_backend(found, self.name)
+        else:
+            found = claim_directory(
+                self.path,
+                self._marker(),
+                owned_files=self.owned_files,
+                recognizes=self.recognizes_directory,
+                what=what,
+            )
+        if found.state == "absent":
+            return found
+        self._lock_directory()
+        st = os.stat(self.path)
+        if st.st_mode & 0o022 and not self.read_only:
             raise BackendError(
                 f"refusing the directory {str(self.path)!r}: it is group- or world-writable "
                 f"(mode {st.st_mode & 0o777:o}); the file backend needs a private directory"
             )
-        for name in await aiofiles.os.listdir(self.path, executor=self._pool):
-            if name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX):
-                # unlink removes a planted symlink itself, never its target
+        if not self.read_only:
+            for name in os.listdir(self.path):
+                if name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX):
+                    # unlink removes a planted symlink itself, never its target
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path / name)
+                        self.stats.extra["stale_temp_removed"] += 1
+        return found
+
+    def _lock_directory(self) -> None:
+        """Hold an exclusive ``flock`` on the directory while open: one backend (or inspection)
+        at a time decides what happens to its files."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise BackendError(
+                f"{str(self.path)!r} is in use by another FileBackend (flock: {exc})"
+            ) from exc
+        self._dir_fd = fd
+
+    def _slot_file_bytes(self) -> int:
+        """The size of the slot file (0 if there is none, or a symlink is in its place)."""
+        try:
+            st = os.lstat(self.slots_path)
+        except FileNotFoundError:
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+    def _stored_layout(self, manifest: _Manifest, found: TierDirectory) -> LayoutRecord | None:
+        """The layout the stored blocks were written for, from the manifest, else the marker."""
+        marker = found.marker.layout if found.marker is not None else None
+        if isinstance(manifest, dict):
+            try:
+                block_bytes = manifest["block_bytes"]
+                fingerprint = bytes.fromhex(str(manifest["fingerprint"]))
+            except (KeyError, ValueError):
+                return marker
+            if not isinstance(block_bytes, int):
+                return marker
+            described = marker.description if marker is not None else None
+            record = LayoutRecord(block_bytes, fingerprint, described)
+            if marker is None or not marker.matches(record):
+                record = LayoutRecord(block_bytes, fingerprint)
+            return record
+        return marker
+
+    def _layout_matches(self, manifest: _Manifest, on_disk: LayoutRecord) -> bool:
+        if not on_disk.matches(self._configured_layout()):
+            return False
+        if not isinstance(manifest, dict):
+            return True
+        wanted = self._manifest()
+        layout = ("format", "format_version", "header_area_bytes", "slot_bytes")
+        return all(manifest.get(name) == wanted[name] for name in layout)
+
+    def _resolve_mismatch(self, on_disk: LayoutRecord) -> None:
+        """Data of another layout: refuse, set it aside or wipe it (``on_layout_mismatch``)."""
+        error = LayoutMismatchError(
+            self.path, on_disk, self._configured_layout(), what="the file backend's directory"
+        )
+        if self.read_only or self.on_layout_mismatch == "refuse":
+            raise error
+        self.stats.extra["layout_mismatches"] += 1
+        if self.on_layout_mismatch == "set_aside":
+            target = set_aside(self.path, owned_files=self.owned_files)
+            logger.warning(
+                "file backend %s: blocks of another layout moved to %s (%s)",
+                self.path,
+                target,
+                on_disk.difference(self._configured_layout()),
+            )
+        else:
+            for name in (SLOTS_NAME, MANIFEST_NAME):
                 with contextlib.suppress(FileNotFoundError):
-                    await aiofiles.os.unlink(self.path / name, executor=self._pool)
-                    self.stats.extra["stale_temp_removed"] += 1
+                    os.unlink(self.path / name)
+            logger.warning(
+                "file backend %s: blocks of another layout deleted (on_layout_mismatch: wipe; %s)",
+                self.path,
+                on_disk.difference(self._configured_layout()),
+            )
+        write_marker(self.path, self._marker())
 
     def _manifest(self) -> dict[str, object]:
         return {
@@ -632,7 +826,8 @@ class FileBackend(StorageBackend):
             "capacity_blocks": self._capacity_blocks,
         }
 
-    async def _read_manifest(self) -> dict[str, object] | None:
+    async def _read_manifest(self) -> _Manifest:
+        """The manifest; None if there is none, "damaged" if it is not one we wrote."""
         try:
             async with aiofiles.open(
                 self.path / MANIFEST_NAME,
@@ -645,22 +840,16 @@ class FileBackend(StorageBackend):
             return None
         except OSError as exc:  # ELOOP: a planted symlink; never followed, never trusted
             logger.warning("file backend %s: unreadable manifest: %s", self.path, exc)
-            return None
+            return "damaged"
         if len(raw) > _MANIFEST_MAX_BYTES:
-            return None
+            return "damaged"
         try:
             manifest = json.loads(raw)
         except ValueError:
-            return None
-        return manifest if isinstance(manifest, dict) else None
-
-    async def _manifest_matches(self) -> bool:
-        found = await self._read_manifest()
-        if found is None:
-            return False
-        wanted = self._manifest()
-        layout = ("format", "format_version", "header_area_bytes", "slot_bytes", "block_bytes")
-        return all(found.get(name) == wanted[name] for name in (*layout, "fingerprint"))
+            return "damaged"
+        if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+            return "damaged"
+        return manifest
 
     async def _write_manifest(self) -> None:
         wanted = self._manifest()
@@ -692,15 +881,22 @@ class FileBackend(StorageBackend):
             os.close(fd)
 
     async def _open_slot_file(self) -> int:
+        """The slot file's descriptor, locked; -1 if read-only and there is no slot file."""
         path = str(self.slots_path)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.read_only:
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         if self.o_direct:
             flags |= os.O_DIRECT
         try:
             try:
                 fd = await self._call(self._ops.open, path, flags, 0o600)
+            except FileNotFoundError:
+                if not self.read_only:
+                    raise
+                return -1
             except OSError as exc:
-                if exc.errno != errno.ELOOP:
+                if exc.errno != errno.ELOOP or self.read_only:
                     raise
                 # A symlink planted where our file belongs: remove the link (not its target)
                 # and start with a fresh file; nothing it pointed to is trusted.
@@ -735,14 +931,20 @@ class FileBackend(StorageBackend):
 
     # -- recovery --------------------------------------------------------------------------------
 
-    async def _scan(self, size: int) -> _ScanResult:
-        slots = range(
-            min(self._capacity_blocks, _round_up(size, self.slot_bytes) // self.slot_bytes)
-        )
+    async def _scan(self, size: int, verify: bool, manifest: _Manifest) -> _ScanResult:
+        """Read every slot's header area (and payload, if ``verify``); count every slot that
+        held something and is not recovered: rejected, unreadable, missing from a truncated
+        file, or past the capacity."""
+        whole_slots = size // self.slot_bytes + (size % self.slot_bytes >= HEADER_AREA_BYTES)
+        slots = range(min(self._capacity_blocks, whole_slots))
+        beyond = range(self._capacity_blocks, whole_slots)
         chunks = [
             slots[i : i + _SCAN_SLOTS_PER_TASK] for i in range(0, len(slots), _SCAN_SLOTS_PER_TASK)
         ]
-        verify = self.recover == "verify"
+        chunks += [
+            beyond[i : i + _SCAN_SLOTS_PER_TASK]
+            for i in range(0, len(beyond), _SCAN_SLOTS_PER_TASK)
+        ]
         parts = await self._run_tasks(
             [(self._scan_slots, (chunk, size, verify)) for chunk in chunks]
         )
@@ -751,18 +953,32 @@ class FileBackend(StorageBackend):
             result.found += part.found
             result.rejected += part.rejected
             result.read_errors += part.read_errors
+            result.over_capacity += part.over_capacity
+        # Slots the file should hold but does not (it was truncated): whatever they held is lost.
+        expected = self._capacity_blocks if size else 0
+        stored_capacity = manifest.get("capacity_blocks") if isinstance(manifest, dict) else None
+        if isinstance(stored_capacity, int):
+            expected = min(self._capacity_blocks, stored_capacity)
+        result.missing = max(0, expected - len(slots))
         return result
 
     def _scan_slots(self, slots: range, size: int, verify: bool) -> _ScanResult:
         scratch = self._scratch()
         result = _ScanResult([], [], 0)
+        area = scratch.area(0)
         for slot in slots:
             offset = slot * self.slot_bytes
             try:
-                if self._pread_all([scratch.area(0)], offset) < HEADER_AREA_BYTES:
-                    continue  # beyond the end of a truncated file
-                if bytes(scratch.area(0)[: len(MAGIC)]) != MAGIC:
+                if self._pread_all([area], offset) < HEADER_AREA_BYTES:
+                    result.missing += 1  # the file ends inside this slot's header
+                    continue
+                if area == self._zero_area:
                     continue  # never written, or invalidated
+                if slot >= self._capacity_blocks:
+                    result.over_capacity += 1  # dropped: the capacity no longer covers it
+                    continue
+                if bytes(area[: len(MAGIC)]) != MAGIC:
+                    raise CorruptBlockError("no block header (overwritten)")
                 result.found.append(self._check_slot(slot, size, verify, scratch))
             except CorruptBlockError as exc:
                 logger.info("file backend %s: slot %d rejected: %s", self.path, slot, exc)
@@ -797,6 +1013,20 @@ class FileBackend(StorageBackend):
     def _rebuild_index(self, scan: _ScanResult) -> list[bytes]:
         self.stats.extra["recovery_rejected"] += len(scan.rejected)
         self.stats.extra["recovery_read_errors"] += scan.read_errors
+        self.stats.extra["recovery_missing_slots"] += scan.missing
+        self.stats.extra["recovery_over_capacity"] += scan.over_capacity
+        lost = len(scan.rejected) + scan.read_errors + scan.missing + scan.over_capacity
+        if lost:
+            logger.warning(
+                "file backend %s: %d slot(s) lost at open: %d did not verify, %d unreadable, "
+                "%d missing from a truncated file, %d past the capacity",
+                self.path,
+                lost,
+                len(scan.rejected),
+                scan.read_errors,
+                scan.missing,
+                scan.over_capacity,
+            )
         best: dict[bytes, _Found] = {}
         for found in sorted(scan.found, key=lambda f: (-f.seq, f.slot)):
             if found.key in best:
@@ -817,7 +1047,7 @@ class FileBackend(StorageBackend):
         A cancelled put waits for its in-flight writes (it never touches the caller's buffers
         after it returns), then drops them: each key keeps its previous state.
         """
-        self._require_open()
+        self._require_writable()
         checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         views = self._check_buffers(values, len(checked), writable=False)
         results = [Outcome.FULL] * len(checked)
@@ -949,7 +1179,7 @@ class FileBackend(StorageBackend):
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
         """Drop each key; zero its slot header (then fdatasync, with durability="fsync")."""
-        self._require_open()
+        self._require_writable()
         checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         results: list[bool] = []
         ready: list[int] = []
@@ -976,8 +1206,16 @@ class FileBackend(StorageBackend):
         return [self._invalidate_in_background(ready)] if ready else []
 
     def _invalidate_in_background(self, slots: list[int]) -> asyncio.Future[Any]:
-        """Zero the slots' header areas on an I/O thread; free them when done (tracked op)."""
+        """Zero the slots' header areas on an I/O thread; free them when done (tracked op).
+
+        Read-only, a slot is only dropped from memory: nothing on disk changes."""
         assert self._pool is not None
+        if self.read_only:
+            for slot in slots:
+                self._slots.release(slot)
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         self._begin_op()
         sync = self.durability == "fsync"
         future = asyncio.wrap_future(self._pool.submit(self._invalidate_slots, slots, sync))
@@ -1227,6 +1465,11 @@ class FileBackend(StorageBackend):
     def _require_open(self) -> None:
         if self._state != "open":
             raise BackendError(f"{self!r} is not open (call and await open() first)")
+
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self.read_only:
+            raise BackendError(f"{self!r} is open read-only: it changes nothing on disk")
 
     def _needs_bounce(self, view: memoryview) -> bool:
         return self.o_direct and not _is_aligned(view)

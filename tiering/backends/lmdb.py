@@ -68,13 +68,25 @@ Map size
     older value of that key is deleted too). A delete that hits it grows the map by a few pages
     (with no read transaction active): deletes must always make progress.
 
+Files and damage
+    The directory is claimed as tiering's (:mod:`tiering.backends.ownership`): absent, empty or
+    marked. Before ``lmdb.open`` maps the data file,
+    :func:`tiering.backends.lmdb_check.check_data_file` reads it with plain reads (meta pages,
+    file size against the last page, every B-tree page and overflow run): LMDB would die of
+    SIGBUS on a truncated file. A file that fails is moved
+    to ``data.mdb.damaged`` (one copy kept), its blocks counted in ``recovery_dropped_blocks``
+    and ``damaged_files``, and the tier starts empty. Blocks of another layout (``meta``'s
+    record) are refused by default (``on_layout_mismatch``), or set aside or wiped as
+    configured. ``read_only`` opens the environment without a lock file write or any change.
+
 Recovery (``recover``)
     ``"trust_header"`` (default): at open, every stored value's header is checked (its own
     checksum, the key it names, the layout fingerprint, the payload size); payload checksums are
     checked on every get anyway. ``"verify"``: the payload checksum is checked too (reads the whole
-    database). ``"wipe"``: start empty. Entries that fail are deleted; if the layout recorded in
-    ``meta`` differs from this backend's, every block is dropped at once. If more blocks verify
-    than ``capacity_blocks`` (a smaller capacity than the last run), the surplus is deleted.
+    database). ``"wipe"``: start empty. Entries that fail are deleted, and so counted; entries the
+    blocks database claims but a damaged page hides from the cursor or from a lookup are
+    counted too. If more blocks verify than ``capacity_blocks`` (a smaller capacity than the
+    last run), the surplus is deleted.
 
 Fork safety
     An LMDB environment must not be used after ``fork()``. Every call checks the process id and
@@ -87,7 +99,8 @@ Stats
     ``puts``/``gets`` count keys asked for; ``bytes_written``/``bytes_read`` count payload bytes
     of ``OK`` results. ``extra``: ``write_txns`` (committed write transactions),
     ``map_full_errors``, ``map_grows``, ``stale_readers_cleared``, ``recovered_blocks``,
-    ``recovery_dropped_blocks``.
+    ``recovery_dropped_blocks``, ``damaged_files``, ``layout_mismatches``,
+    ``untrusted_files_removed``.
 
 Never open an LMDB directory from an untrusted source: LMDB trusts its own file format.
 """
@@ -106,8 +119,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Final, Literal, TypeVar, cast
 
 import lmdb
@@ -130,6 +144,23 @@ from tiering.backends.block_format import (
 )
 from tiering.backends.block_format import pack_header as _pack_header
 from tiering.backends.lanes import LaneStep, run_in_lanes
+from tiering.backends.lmdb_check import check_data_file
+from tiering.backends.ownership import (
+    DamagedStorageError,
+    LayoutMismatchError,
+    LayoutRecord,
+    MismatchPolicy,
+    TierDirectory,
+    TierMarker,
+    check_backend,
+    claim_directory,
+    created_by,
+    examine_directory,
+    foreign_directory_error,
+    set_aside,
+    write_marker,
+)
+from tiering.backends.settings import RecoverMode
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -137,7 +168,6 @@ __all__ = ["LMDBBackend", "LMDBGeometry", "RecoverMode", "copy_and_checksum", "l
 
 _log = logging.getLogger(__name__)
 
-RecoverMode = Literal["verify", "trust_header", "wipe"]
 _RECOVER_MODES: Final = ("verify", "trust_header", "wipe")
 
 # LMDB (0.9, 64-bit) layout constants used by the capacity formula.
@@ -157,7 +187,10 @@ _BLOCKS_DB: Final = b"blocks"
 _META_DB: Final = b"meta"
 _LAYOUT_KEY: Final = b"layout"
 _TICK_KEY: Final = b"tick"
-_LOCK_FILE: Final = "tiering-lmdb.lock"
+_LOCK_FILE: Final = "tiering-lmdb.lock"  # only tiering creates it: it marks tiering's LMDB
+_DATA_FILE: Final = "data.mdb"
+_LMDB_LOCK_FILE: Final = "lock.mdb"
+_DAMAGED_SUFFIX: Final = ".damaged"
 
 _T = TypeVar("_T")
 
@@ -300,11 +333,18 @@ async def _wait_uncancellable(futures: Sequence[concurrent.futures.Future[_T]]) 
 
 
 class _DirectoryLock:
-    """An exclusive ``flock`` on a file in the directory: one backend per directory at a time."""
+    """An exclusive ``flock`` on a file in the directory: one backend (or inspection) at a
+    time. Read-only, the file is not created: if there is none, no backend ever wrote here and
+    the directory itself is locked."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, read_only: bool = False) -> None:
         path = os.path.join(directory, _LOCK_FILE)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not read_only:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        elif os.path.exists(path):
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -405,6 +445,12 @@ class LMDBBackend(StorageBackend):
     """
 
     name: ClassVar[str] = "lmdb"
+    owned_files: ClassVar[tuple[str, ...]] = (
+        _DATA_FILE,
+        _LMDB_LOCK_FILE,
+        _DATA_FILE + _DAMAGED_SUFFIX,
+        _LOCK_FILE,
+    )
 
     def __init__(
         self,
@@ -422,8 +468,15 @@ class LMDBBackend(StorageBackend):
         recover: RecoverMode = "trust_header",
         max_txn_bytes: int = 64 << 20,
         map_size_bytes: int | None = None,
+        on_layout_mismatch: MismatchPolicy = "refuse",
+        read_only: bool = False,
+        layout_description: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(block_bytes=block_bytes, fingerprint=fingerprint)
+        super().__init__(
+            block_bytes=block_bytes,
+            fingerprint=fingerprint,
+            layout_description=layout_description,
+        )
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigurationError(f"path must be a directory path, got {path!r}")
         self.path = os.path.abspath(os.fspath(path))
@@ -449,6 +502,13 @@ class LMDBBackend(StorageBackend):
         if recover not in _RECOVER_MODES:
             raise ConfigurationError(f"recover must be one of {_RECOVER_MODES}, got {recover!r}")
         self.recover: RecoverMode = recover
+        if on_layout_mismatch not in ("refuse", "set_aside", "wipe"):
+            raise ConfigurationError(
+                "on_layout_mismatch must be one of 'refuse', 'set_aside', 'wipe'; "
+                f"got {on_layout_mismatch!r}"
+            )
+        self.on_layout_mismatch: MismatchPolicy = on_layout_mismatch
+        self.read_only = _check_bool("read_only", read_only)
         self.max_txn_bytes = _check_int("max_txn_bytes", max_txn_bytes, 1)
         self._geometry = self._derive_geometry(mmap.PAGESIZE)
         if map_size_bytes is not None:
@@ -609,7 +669,7 @@ class LMDBBackend(StorageBackend):
     # -- batch operations ----------------------------------------------------------------------
 
     async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
-        self._check_open()
+        self._check_writable()
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if len(values) != len(key_list):
             raise ValueError(f"put got {len(key_list)} keys but {len(values)} values")
@@ -652,7 +712,10 @@ class LMDBBackend(StorageBackend):
             ok = results.count(Outcome.OK)
             if ok < len(stored) and Outcome.CORRUPT in results:
                 corrupt = [key_list[i] for i, r in enumerate(results) if r is Outcome.CORRUPT]
-                await self._submit(_Job("purge", corrupt, None))
+                if self.read_only:
+                    self._index.difference_update(corrupt)  # no writer runs: nothing to race
+                else:
+                    await self._submit(_Job("purge", corrupt, None))
         self.stats.gets += len(results)
         self.stats.hits += ok
         self.stats.bytes_read += ok * self.block_bytes
@@ -667,7 +730,7 @@ class LMDBBackend(StorageBackend):
         return [key in self._index for key in check_keys(keys, max_bytes=MAX_KEY_BYTES)]
 
     async def delete(self, keys: Sequence[bytes]) -> list[bool]:
-        self._check_open()
+        self._check_writable()
         key_list = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         if not key_list:
             return []
@@ -687,6 +750,11 @@ class LMDBBackend(StorageBackend):
             )
         if self._state != "open":
             raise BackendError(f"LMDB backend at {self.path!r} is not open ({self._state})")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise BackendError(f"LMDB backend at {self.path!r} is open read-only")
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -1050,13 +1118,128 @@ class LMDBBackend(StorageBackend):
     # -- open, recovery and close (on the writer thread) -----------------------------------------
 
     def _open_on_writer(self) -> list[bytes]:
-        try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise BackendError(f"cannot create LMDB directory {self.path!r}: {exc}") from exc
-        lock = _DirectoryLock(self.path)
+        found = self._examine_or_claim()
+        if found.state == "absent":  # read-only: nothing was ever stored here
+            self._index = set()
+            return []
+        lock = _DirectoryLock(self.path, read_only=self.read_only)
         env: lmdb.Environment | None = None
         try:
+            if not self._check_files():  # read-only, and no data file: nothing stored
+                self._index = set()
+                self._lock = lock
+                return []
+            env = self._open_env()
+            mismatch = self._stored_layout_mismatch(env, found)
+            if mismatch is not None:
+                if self.read_only or self.on_layout_mismatch == "refuse":
+                    raise mismatch
+                self._count("layout_mismatches")
+                if self.on_layout_mismatch == "set_aside":
+                    env.close()
+                    env = None
+                    self._set_aside(mismatch)
+                    env = self._open_env()
+            keys = self._recover(env, wipe=mismatch is not None)
+        except lmdb.Error as exc:
+            self._env = None
+            if env is not None:
+                env.close()
+            lock.release()
+            raise BackendError(f"cannot open LMDB environment at {self.path!r}: {exc}") from exc
+        except BaseException:
+            self._env = None
+            if env is not None:
+                env.close()
+            lock.release()
+            raise
+        self._lock = lock
+        if not self.read_only:
+            write_marker(Path(self.path), self._marker())
+        return keys
+
+    @classmethod
+    def recognizes_directory(cls, path: Path) -> bool:
+        """A directory of an earlier tiering: it holds the lock file only tiering creates."""
+        return os.path.isfile(path / _LOCK_FILE) and not os.path.islink(path / _LOCK_FILE)
+
+    def _configured_layout(self) -> LayoutRecord:
+        return LayoutRecord(self.block_bytes, self.fingerprint, self.layout_description)
+
+    def _marker(self) -> TierMarker:
+        storage = f"lmdb-{'.'.join(map(str, lmdb.version()[:2]))}/tiering-{FORMAT_VERSION}"
+        return TierMarker(self.name, storage, self._configured_layout(), created_by())
+
+    def _examine_or_claim(self) -> TierDirectory:
+        what = "the LMDB backend's directory"
+        directory = Path(self.path)
+        if self.read_only:
+            found = examine_directory(
+                directory, owned_files=self.owned_files, recognizes=self.recognizes_directory
+            )
+            if found.state == "foreign":
+                raise foreign_directory_error(found, what=what)
+            check_backend(found, self.name)
+            return found
+        return claim_directory(
+            directory,
+            self._marker(),
+            owned_files=self.owned_files,
+            recognizes=self.recognizes_directory,
+            what=what,
+        )
+
+    def _check_files(self) -> bool:
+        """Check the data file with plain reads before LMDB maps it (a truncated one is a
+        SIGBUS); set a damaged one aside. Returns whether there is a data file to open."""
+        data = os.path.join(self.path, _DATA_FILE)
+        for name in (_DATA_FILE, _LMDB_LOCK_FILE):
+            path = os.path.join(self.path, name)
+            if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+                if self.read_only:
+                    raise BackendError(f"{path!r} is not a regular file; not reading through it")
+                _log.warning(
+                    "LMDB at %s: removing %s, which is not a regular file", self.path, path
+                )
+                os.unlink(path)  # a symlink itself, never its target
+                self._count("untrusted_files_removed")
+        if not os.path.exists(data):
+            return not self.read_only
+        try:
+            check = check_data_file(data)
+        except OSError as exc:
+            raise BackendError(f"cannot read {data!r}: {exc}") from exc
+        if check.ok:
+            return True
+        if self.read_only:
+            raise DamagedStorageError(
+                f"{data!r} is damaged: {check.problem}; LMDB cannot open it safely",
+                Path(self.path),
+                lost_blocks=check.entries.get(_BLOCKS_DB),
+            )
+        lost = check.entries.get(_BLOCKS_DB, 0)
+        aside = data + _DAMAGED_SUFFIX
+        os.replace(data, aside)  # our own file: kept (one copy) for a post-mortem
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.path, _LMDB_LOCK_FILE))
+        self._count("damaged_files")
+        self._count("recovery_dropped_blocks", lost)
+        _log.error(
+            "LMDB at %s: the data file is damaged (%s); it was moved to %s and the tier starts "
+            "empty (%s blocks lost)",
+            self.path,
+            check.problem,
+            aside,
+            lost if check.entries else "an unknown number of",
+        )
+        return True
+
+    def _open_env(self) -> lmdb.Environment:
+        if self.read_only:
+            env = lmdb.open(
+                self.path, subdir=True, readonly=True, lock=False, max_dbs=2, readahead=True
+            )
+        else:
             env = lmdb.open(
                 self.path,
                 map_size=self.map_size_bytes,
@@ -1072,31 +1255,69 @@ class LMDBBackend(StorageBackend):
                 meminit=True,  # never write stale heap bytes into the file
                 lock=True,
             )
+        try:
             page_bytes = env.stat()["psize"]
             if page_bytes != self._geometry.page_bytes:  # a file made on another machine
                 self._geometry = self._derive_geometry(page_bytes)
-                env.set_mapsize(max(self.map_size_bytes, env.info()["map_size"]))
-            self._check_readers(env)
-            self._blocks_db = env.open_db(_BLOCKS_DB)
-            self._meta_db = env.open_db(_META_DB)
+                if not self.read_only:
+                    env.set_mapsize(max(self.map_size_bytes, env.info()["map_size"]))
+            if not self.read_only:
+                self._check_readers(env)
+            create = not self.read_only
+            try:
+                self._blocks_db = env.open_db(_BLOCKS_DB, create=create)
+                self._meta_db = env.open_db(_META_DB, create=create)
+            except lmdb.NotFoundError:  # read-only, and nothing was ever stored
+                self._blocks_db = self._meta_db = None
             self._env = env
             self._scratch = bytearray(self._geometry.value_bytes)
             self._scratch_payload = np.frombuffer(self._scratch, np.uint8, offset=HEADER_BYTES)
-            keys = self._recover(env)
-        except lmdb.Error as exc:
-            self._env = None
-            if env is not None:
-                env.close()
-            lock.release()
-            raise BackendError(f"cannot open LMDB environment at {self.path!r}: {exc}") from exc
         except BaseException:
             self._env = None
-            if env is not None:
-                env.close()
-            lock.release()
+            env.close()
             raise
-        self._lock = lock
-        return keys
+        return env
+
+    def _stored_layout_mismatch(
+        self, env: lmdb.Environment, found: TierDirectory
+    ) -> LayoutMismatchError | None:
+        """The error to raise if the environment holds blocks of another layout, else None."""
+        if self._blocks_db is None or self._meta_db is None:
+            return None
+        with env.begin() as txn:
+            stored = txn.get(_LAYOUT_KEY, db=self._meta_db)
+            entries = txn.stat(self._blocks_db)["entries"]
+        marker = found.marker.layout if found.marker is not None else None
+        if not entries:
+            return None
+        on_disk: LayoutRecord | None = marker
+        if stored is not None and len(stored) == len(self._layout_record()):
+            record = LayoutRecord(
+                int.from_bytes(stored[2:10], "little"),
+                bytes(stored[10:]),
+                marker.description if marker is not None else None,
+            )
+            on_disk = (
+                record
+                if marker is not None and marker.matches(record)
+                else (LayoutRecord(record.block_bytes, record.fingerprint))
+            )
+            if stored[:2] != self._layout_record()[:2]:  # another block format: not readable
+                on_disk = LayoutRecord(record.block_bytes, b"\0" * 16)
+        if on_disk is None or on_disk.matches(self._configured_layout()):
+            return None
+        return LayoutMismatchError(
+            Path(self.path), on_disk, self._configured_layout(), what="the LMDB directory"
+        )
+
+    def _set_aside(self, mismatch: LayoutMismatchError) -> None:
+        target = set_aside(Path(self.path), owned_files=self.owned_files)
+        _log.warning(
+            "LMDB at %s: blocks of another layout moved to %s (%s)",
+            self.path,
+            target,
+            mismatch.on_disk.difference(mismatch.configured),
+        )
 
     def _layout_record(self) -> bytes:
         return (
@@ -1105,47 +1326,60 @@ class LMDBBackend(StorageBackend):
             + self.fingerprint
         )
 
-    def _recover(self, env: lmdb.Environment) -> list[bytes]:
-        """Rebuild the index from what is stored, deleting what does not verify."""
+    def _recover(self, env: lmdb.Environment, *, wipe: bool) -> list[bytes]:
+        """Rebuild the index from what is stored, deleting what does not verify (read-only:
+        leaving it, and not indexing it). ``wipe``: drop every block first."""
         blocks_db, meta_db = self._blocks_db, self._meta_db
-        assert blocks_db is not None and meta_db is not None
+        if blocks_db is None or meta_db is None:
+            self._index = set()
+            return []
         dropped = 0
-        layout = self._layout_record()
-        with env.begin(db=meta_db, write=True) as txn:
-            if self.recover == "wipe" or txn.get(_LAYOUT_KEY) != layout:
-                dropped = txn.stat(blocks_db)["entries"]
-                txn.drop(blocks_db, delete=False)
-                txn.put(_LAYOUT_KEY, layout)
-        good: list[bytes] = []
+        if not self.read_only:
+            with env.begin(db=meta_db, write=True) as txn:
+                if wipe or self.recover == "wipe":
+                    dropped = txn.stat(blocks_db)["entries"]
+                    txn.drop(blocks_db, delete=False)
+                txn.put(_LAYOUT_KEY, self._layout_record())
+        good: dict[bytes, None] = {}  # ordered, and a key a damaged page repeats counts once
         bad: list[bytes] = []
         verify_payload = self.recover == "verify"
         with env.begin(db=blocks_db, buffers=True) as rtxn:
+            claimed = rtxn.stat(blocks_db)["entries"]
             for key_view, raw in rtxn.cursor().iternext():
                 key = bytes(key_view)
                 if self._stored_value_ok(key, raw, verify_payload=verify_payload):
-                    good.append(key)
+                    good[key] = None
                 else:
                     bad.append(key)
-        surplus = good[self._geometry.capacity_blocks :]
-        del good[self._geometry.capacity_blocks :]
+            # A damaged page can leave a key that a walk finds but a lookup does not (keys out
+            # of order): get() could never serve it.
+            unreachable = [key for key in good if rtxn.get(key) is None]
+        for key in unreachable:
+            del good[key]
+        # A damaged leaf page can hide entries from the cursor: they are lost too, and counted.
+        unseen = max(0, claimed - len(good) - len(bad))
+        kept = list(good)
+        surplus = kept[self._geometry.capacity_blocks :]
+        del kept[self._geometry.capacity_blocks :]
         doomed = bad + surplus
-        self._index = set(good) | set(doomed)
-        if doomed:
+        self._index = set(kept) | set(doomed)
+        if doomed and not self.read_only:
             self._run_group([_Job("delete", doomed, None)])  # grows the map if it must
-        self._index = set(good)
-        self._count("recovered_blocks", len(good))
-        self._count("recovery_dropped_blocks", dropped + len(doomed))
-        if doomed or dropped:
+        self._index = set(kept)
+        self._count("recovered_blocks", len(kept))
+        self._count("recovery_dropped_blocks", dropped + len(doomed) + unseen)
+        if doomed or dropped or unseen:
             _log.warning(
                 "LMDB at %s: dropped %d stored blocks at open (%d did not verify, %d over "
-                "capacity, %d of another layout or wiped)",
+                "capacity, %d of another layout or wiped, %d unreachable in a damaged page)",
                 self.path,
-                dropped + len(doomed),
+                dropped + len(doomed) + unseen,
                 len(bad),
                 len(surplus),
                 dropped,
+                unseen,
             )
-        return good
+        return kept
 
     def _close_on_writer(self) -> None:
         env, self._env = self._env, None

@@ -9,9 +9,10 @@ annotation:
 annotation                accepted values
 ========================  ===============================================================
 ``bool``                  ``true`` / ``false`` only
-``int``                   an integer; if the field name ends in ``_bytes``, also a size
-                          with a unit (``"64MiB"``, see :func:`parse_size`); sizes are > 0
-``float``                 a number
+``int``                   an integer of at most 63 bits; if the field name ends in
+                          ``_bytes``, also a size with a unit (``"64MiB"``, see
+                          :func:`parse_size`); sizes are > 0
+``float``                 a finite number (NaN and infinities are refused)
 ``str``                   a string
 ``Literal["a", "b"]``     one of the listed values
 ``pathlib.Path``          a string; relative paths are taken from the config's directory
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -37,13 +39,15 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from tiering.backends.file import Durability
-from tiering.backends.file import RecoverMode as FileRecoverMode
-from tiering.backends.lmdb import RecoverMode as LMDBRecoverMode
+from tiering.backends.ownership import MismatchPolicy
 from tiering.errors import ConfigurationError
 
 __all__ = [
+    "MAX_INT",
     "REQUIRED",
+    "Durability",
+    "MismatchPolicy",
+    "RecoverMode",
     "SIZE_JSON_SCHEMA",
     "SIZE_PATTERN",
     "SIZE_UNITS",
@@ -76,11 +80,25 @@ SIZE_UNITS: dict[str, int] = {
     "TiB": 1024**4,
 }
 SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*(" + "|".join(SIZE_UNITS) + r")?\s*$"
+#: The largest integer (and size) a setting takes: a file offset is a signed 64-bit number.
+MAX_INT = (1 << 63) - 1
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
 _UNITS_TEXT = ", ".join(SIZE_UNITS)
 
 
 # -- the built-in backends' settings ---------------------------------------------------------
+# The backends take these types from here (this module imports no backend).
+
+#: When the file backend acknowledges a write: in the page cache, or after fdatasync.
+Durability = Literal["none", "fsync"]
+#: What a persistent backend checks of its stored blocks when it opens.
+RecoverMode = Literal["verify", "trust_header", "wipe"]
+
+
+_MISMATCH_DOC = (
+    "when the directory holds blocks of another layout: refuse to open, set_aside (move them "
+    "to a sibling folder), or wipe (delete tiering's files there)"
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +112,7 @@ class FileSettings:
     o_direct: bool = field(
         default=False, metadata={"doc": "open the slot file with O_DIRECT (bypass the page cache)"}
     )
-    recover: FileRecoverMode = field(
+    recover: RecoverMode = field(
         default="verify",
         metadata={"doc": "on open: verify every block, trust_header (check on read), or wipe"},
     )
@@ -110,6 +128,7 @@ class FileSettings:
         default=16,
         metadata={"min": 1, "max": 1024, "doc": "blocks per pwritev/preadv chunk"},
     )
+    on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
 
     def __post_init__(self) -> None:
         if self.o_direct and not hasattr(os, "O_DIRECT"):
@@ -130,7 +149,7 @@ class LMDBSettings:
         default=126, metadata={"min": 1, "doc": "LMDB reader slots, shared by all processes"}
     )
     read_threads: int = field(default=2, metadata={"min": 1, "doc": "threads serving reads"})
-    recover: LMDBRecoverMode = field(
+    recover: RecoverMode = field(
         default="trust_header",
         metadata={"doc": "on open: verify every block, trust_header (check on read), or wipe"},
     )
@@ -140,6 +159,7 @@ class LMDBSettings:
     map_size_bytes: int | None = field(
         default=None, metadata={"doc": "LMDB map size; null derives it from capacity"}
     )
+    on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
 
     def __post_init__(self) -> None:
         if self.map_async and not self.writemap:
@@ -177,6 +197,14 @@ def parse_size(value: object) -> int:
     return size
 
 
+def _check_int_range(value: int, raw: object) -> int:
+    if abs(value) > MAX_INT:
+        raise ConfigurationError(
+            f"{raw!r:.40} is out of range: the largest value is {MAX_INT} (2^63 - 1)"
+        )
+    return value
+
+
 def _size_value(value: object) -> int:
     """Bytes from an int or a size string, of any sign."""
     if isinstance(value, bool) or not isinstance(value, int | str):
@@ -185,7 +213,7 @@ def _size_value(value: object) -> int:
             f"({_UNITS_TEXT}), e.g. '64GiB'"
         )
     if isinstance(value, int):
-        return value
+        return _check_int_range(value, value)
     text = value.strip()
     negative = text.startswith("-")
     match = _SIZE_RE.fullmatch(text[1:] if negative else text)
@@ -197,7 +225,7 @@ def _size_value(value: object) -> int:
     exact = Decimal(match.group(1)) * SIZE_UNITS[match.group(2) or "B"]
     if exact != exact.to_integral_value():
         raise ConfigurationError(f"{value!r} is not a whole number of bytes")
-    return -int(exact) if negative else int(exact)
+    return _check_int_range(-int(exact) if negative else int(exact), value)
 
 
 def format_size(num_bytes: int) -> str:
@@ -346,11 +374,17 @@ def coerce_value(f: SettingsField, value: object, *, base_dir: Path | None = Non
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigurationError(f"{value!r} is not valid: give {describe_field(f)}")
-        result = value
+        result = _check_int_range(value, value)
     elif annotation is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigurationError(f"{value!r} is not valid: give {describe_field(f)}")
+        if isinstance(value, int):
+            _check_int_range(value, value)
         result = float(value)
+        if not math.isfinite(result):
+            raise ConfigurationError(
+                f"{value!r} is not valid: give {describe_field(f)} (a finite number)"
+            )
     elif annotation is str:
         if not isinstance(value, str):
             raise ConfigurationError(f"{value!r} is not valid: give {describe_field(f)}")

@@ -29,9 +29,11 @@ vLLM 0.33                   tiering
                             that defers the request, and a sliding-window scan stops once its
                             window is found; ``RETRY`` would reset the window's streak and
                             scan (and promote) further left. vLLM's own tiering manager
-                            answers ``HIT_PENDING`` after starting a promotion too. No answer
-                            is ever vLLM's ``RETRY``: every tier's index is in memory, so no
-                            location is ever unknown. While promotions are held after a
+                            answers ``HIT_PENDING`` after starting a promotion too. Only a
+                            shared tier (``tiering.shared_tier``) gives vLLM's ``RETRY``: while
+                            it asks its store whether it holds a key, the key's location is
+                            unknown (``TieringOffloadingManager.location_unknown``), as with
+                            vLLM's own object-store tier. While promotions are held after a
                             reset, a key absent from the CPU tier is a ``MISS``.
 hits the request loads      :meth:`TieringOffloadingManager.protect_for_step`: a promotion the
                             request starts later in the step never evicts them; one that finds
@@ -125,6 +127,7 @@ _ANSWERS: Final = {
     TieringLookupResult.RETRY: LookupResult.HIT_PENDING,
 }
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_RETRY: Final = LookupResult.RETRY
 
 # tiering's per-tier counters (deltas of TieringOffloadingManager.get_stats) -> vLLM metric names.
 _TIER_COUNTERS: Final = {
@@ -332,6 +335,8 @@ class TieringManager(OffloadingManager):
             self.manager.protect_for_step(_keys(hits), req_context=req_context)
         result = self._lookup(key, req_context)
         if result is _T_RETRY:
+            if self.manager.location_unknown(cast("Key", key)):  # a shared tier is asking
+                return _RETRY
             self._request(req_context).promoted.add(key)
         return _ANSWERS[result]
 

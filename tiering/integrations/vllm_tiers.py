@@ -173,6 +173,13 @@ class TieringSecondaryTier(SecondaryTierManager):
         self.backend: StorageBackend = build_backend(
             settings, block_bytes=self._chunk_bytes, fingerprint=self.fingerprint
         )
+        if self.backend.capabilities.shared:
+            raise ConfigError(
+                f"tier {self.name!r}: the {self.backend.name!r} backend is shared (other engine "
+                "nodes write and evict its store) and this tier evicts by deleting: it would "
+                "delete their blocks. A shared store is a shared tier of tiering's own manager "
+                "(docs/distributed.md)"
+            )
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self._events = []

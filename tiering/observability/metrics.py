@@ -116,6 +116,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "Keys quarantined after a failed read (treated as absent for a while).",
     ),
+    # -- a shared tier (no index: it asks the store) ---------------------------------------------
+    MetricSpec(
+        "tiering_existence_checks",
+        "counter",
+        "Existence checks a shared tier sent (one per request and step with unknown keys).",
+    ),
+    MetricSpec(
+        "tiering_checked_keys",
+        "counter",
+        "Keys a shared tier's existence checks answered, by result (present, absent, unknown: "
+        "the store node failed).",
+        ("result",),
+    ),
+    MetricSpec(
+        "tiering_cached_misses",
+        "counter",
+        "Lookups a shared tier answered absent from its cache (or quarantine), not asking.",
+    ),
+    MetricSpec(
+        "tiering_skipped_writes",
+        "counter",
+        "Blocks a shared tier did not write because the store held them, by how it knew "
+        "(cached: not sent; present: sent, the store kept its own).",
+        ("reason",),
+    ),
     # -- the backend ---------------------------------------------------------------------------
     MetricSpec(
         "tiering_backend_operations",
@@ -213,6 +238,19 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
         yield Sample(name, labels, counters[key])
     yield Sample("tiering_failures", (*labels, "store"), counters["store_failures"])
     yield Sample("tiering_failures", (*labels, "promotion"), counters["promotion_failures"])
+    if "existence_checks" in counters:  # a shared tier
+        yield Sample("tiering_existence_checks", labels, counters["existence_checks"])
+        for result, key in (
+            ("present", "check_hits"),
+            ("absent", "check_absent"),
+            ("unknown", "check_unknown"),
+        ):
+            yield Sample("tiering_checked_keys", (*labels, result), counters[key])
+        yield Sample("tiering_cached_misses", labels, counters["cached_misses"])
+        yield Sample("tiering_skipped_writes", (*labels, "cached"),
+                     counters["writes_skipped_cached"])  # fmt: skip
+        yield Sample("tiering_skipped_writes", (*labels, "present"),
+                     counters["put_skipped_present"])  # fmt: skip
     backend = counters["backend"]
     for op, key in (("put", "puts"), ("get", "gets"), ("delete", "deletes")):
         yield Sample("tiering_backend_operations", (*labels, op), backend[key])

@@ -1,38 +1,35 @@
-"""Policy lookup by name: built-ins, registered classes and ``"module:Class"`` import paths."""
+"""Policy lookup by name: built-ins, registered classes, entry-point plugins and import paths.
+
+A policy name resolves in this order: names given to :func:`register_policy` (the built-ins
+``lru`` and ``arc`` among them); entry points of group ``tiering.policies`` of installed
+distributions (value ``"module:Class"``), each imported only when its name is first used; a
+``"module:Class"`` import path. :func:`check_policy_name` checks a name the same way without
+importing anything (the config layer checks a file with it).
+"""
 
 from __future__ import annotations
 
-import importlib
-
 from tiering.errors import ConfigurationError
+from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.lru import LRUPolicy
 
-__all__ = ["available_policies", "get_policy_class", "make_policy", "register_policy"]
+__all__ = [
+    "POLICY_ENTRY_POINT_GROUP",
+    "POLICY_PLUGINS",
+    "available_policies",
+    "check_policy_name",
+    "get_policy_class",
+    "make_policy",
+    "register_policy",
+]
+
+POLICY_ENTRY_POINT_GROUP = "tiering.policies"
+#: Policy plugins: discovered from installed metadata, each imported on first use.
+POLICY_PLUGINS = PluginGroup(POLICY_ENTRY_POINT_GROUP, "policy")
 
 _registry: dict[str, type[EvictionPolicy]] = {}
-
-
-def discover_policies() -> dict[str, type[EvictionPolicy]]:
-    """Policies provided by installed third-party packages, by name.
-
-    The hook for plugin discovery: entry points of group ``tiering.policies`` (value
-    ``"module:Class"``), found once and imported on first use (cached; see
-    :class:`tiering.registry.PluginGroup`). The registry merges the result under the explicitly
-    registered names. A broken plugin is left out here; looking up its name raises its error.
-    """
-    from tiering.registry import POLICY_PLUGINS  # late: tiering.registry imports the backends
-
-    found: dict[str, type[EvictionPolicy]] = {}
-    for name in POLICY_PLUGINS.names():
-        try:
-            loaded = POLICY_PLUGINS.load(name, _check_policy_class)
-        except ConfigurationError:
-            continue  # fails only its own name, in get_policy_class
-        if loaded is not None:
-            found[name] = loaded
-    return found
 
 
 def register_policy(name: str, cls: type[EvictionPolicy], *, replace: bool = False) -> None:
@@ -58,34 +55,50 @@ def register_policy(name: str, cls: type[EvictionPolicy], *, replace: bool = Fal
 
 
 def available_policies() -> tuple[str, ...]:
-    """The names :func:`get_policy_class` accepts (besides ``"module:Class"`` paths), sorted."""
-    return tuple(sorted(_known()))
+    """The names :func:`get_policy_class` accepts (besides ``"module:Class"`` paths), sorted.
+
+    Plugins are listed by entry-point name without being imported; a broken one fails when
+    :func:`get_policy_class` loads it.
+    """
+    return tuple(sorted({*_registry, *POLICY_PLUGINS.names()}))
 
 
-def get_policy_class(name: str) -> type[EvictionPolicy]:
-    """The policy class registered as ``name``, or imported from a ``"module:Class"`` path.
+def check_policy_name(name: str) -> None:
+    """Raise :class:`ConfigurationError` unless ``name`` could name a policy; imports nothing.
 
-    Raises :class:`ConfigurationError` naming the known policies if ``name`` is unknown, or
-    explaining why a ``"module:Class"`` path does not give an :class:`EvictionPolicy` subclass.
+    A registered name, an installed entry point's name or a well-formed ``"module:Class"``
+    path passes; whether a plugin's code really gives a policy is known only once it is loaded
+    (:func:`get_policy_class`).
     """
     if not isinstance(name, str):
         raise ConfigurationError(
             f"a policy name must be a string, got {type(name).__name__}: {name!r:.80}"
         )
     if ":" in name:
-        return _import_policy_class(name)
+        check_import_path(name, f"policy path {name!r}")
+        return
+    if name.lower() not in available_policies():
+        raise _unknown(name)
+
+
+def get_policy_class(name: str) -> type[EvictionPolicy]:
+    """The policy class registered or installed as ``name``, or imported from ``"module:Class"``.
+
+    Raises :class:`ConfigurationError` naming the known policies if ``name`` is unknown, or
+    explaining why a plugin or import path does not give an :class:`EvictionPolicy` subclass.
+    """
+    check_policy_name(name)
+    if ":" in name:
+        return _check_policy_class(
+            import_object(name, f"policy path {name!r}"), f"policy path {name!r}"
+        )
     registered = _registry.get(name.lower())
     if registered is not None:
-        return registered  # registered names need no plugin discovery
-    known = _known()
-    cls = known.get(name.lower())
-    if cls is None:
-        _raise_if_broken_plugin(name)
-        raise ConfigurationError(
-            f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(known))} "
-            f"(or a 'module:Class' path to an EvictionPolicy subclass)"
-        )
-    return cls
+        return registered
+    loaded = POLICY_PLUGINS.load(name, _check_policy_class)
+    if loaded is None:
+        raise _unknown(name)
+    return loaded
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
@@ -93,39 +106,11 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return get_policy_class(name)(capacity)
 
 
-def _known() -> dict[str, type[EvictionPolicy]]:
-    discovered = {key.lower(): cls for key, cls in discover_policies().items()}
-    return {**discovered, **_registry}
-
-
-def _raise_if_broken_plugin(name: str) -> None:
-    """Raise the load error of a policy entry point named ``name``, if there is one."""
-    from tiering.registry import POLICY_PLUGINS
-
-    POLICY_PLUGINS.load(name.lower(), _check_policy_class)
-
-
-def _import_policy_class(path: str) -> type[EvictionPolicy]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigurationError(
-            f"a policy path must look like 'package.module:Class', got {path!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(
-            f"cannot import module {module_name!r} for policy {path!r}: {exc}"
-        ) from exc
-    obj: object = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigurationError(
-                f"module {module_name!r} has no attribute {attr!r} (policy {path!r})"
-            ) from None
-    return _check_policy_class(obj, f"policy path {path!r}")
+def _unknown(name: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"unknown eviction policy {name!r}; known policies: {', '.join(available_policies())} "
+        f"(or a 'module:Class' path to an EvictionPolicy subclass)"
+    )
 
 
 def _check_policy_class(obj: object, what: str) -> type[EvictionPolicy]:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
-import shutil
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ from tiering.config import (
     build_pool,
     layout_for_config,
     load_config,
+    wipe_tier,
 )
 from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
@@ -546,7 +548,11 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--overlap", action="store_true", help="let tier I/O run behind later requests"
     )
-    parser.add_argument("--fresh", action="store_true", help="empty the tier paths first")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="first delete tiering's own files from the tier directories (never other files)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -593,16 +599,85 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
     )
 
 
+@dataclass(frozen=True)
+class _StudyOptions:
+    """``--policy-study`` / ``--plot`` options, checked before the replay starts."""
+
+    fractions: list[float]
+    policies: list[str]
+    plot: Path | None
+
+
+def _check_study_options(args: argparse.Namespace) -> _StudyOptions | None:
+    """Check ``--sizes``, ``--policies`` and ``--plot`` before any work: a mistake found after
+    a long replay would throw its report away. :class:`TieringError` naming the option."""
+    if not (args.policy_study or args.plot):
+        return None
+    fractions = []
+    for text in args.sizes.split(","):
+        try:
+            fraction = float(text)
+        except ValueError:
+            raise TieringError(
+                f"--sizes: {text.strip()!r} is not a number; give fractions of the trace's "
+                "unique blocks, comma separated, e.g. 0.01,0.1,0.5"
+            ) from None
+        if not 0 < fraction <= 1:
+            raise TieringError(f"--sizes: {text.strip()!r} is not a fraction in (0, 1]")
+        fractions.append(fraction)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise TieringError("--policies: give at least one policy name (e.g. lru,arc)")
+    for name in policies:
+        try:
+            get_policy_class(name)
+        except TieringError as exc:
+            raise TieringError(f"--policies: {exc}") from None
+    if args.plot is not None:
+        _check_plot_target(args.plot)
+    return _StudyOptions(fractions, policies, args.plot)
+
+
+def _check_plot_target(path: Path) -> None:
+    """matplotlib is installed and ``path`` can be written (a PNG file)."""
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        found = False
+    if not found:
+        raise TieringError("--plot needs matplotlib: pip install 'tiering[plot]' (or matplotlib)")
+    if path.suffix.lower() != ".png":
+        raise TieringError(f"--plot: {str(path)!r} must name a .png file")
+    if path.is_dir():
+        raise TieringError(f"--plot: {str(path)!r} is a directory; name a .png file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise TieringError(f"--plot: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise TieringError(f"--plot: {str(path)!r} is not writable by this user")
+
+
+def _wipe_tiers(config: TieringConfig) -> None:
+    """``--fresh``: delete tiering's own files from each tier (never an operator's file)."""
+    for tier in config.secondary_tiers:
+        removal = wipe_tier(tier)
+        if removal.kept:
+            print(
+                f"--fresh: tier {tier.name}: kept {', '.join(removal.kept)} in {tier.path} "
+                "(not tiering's files)",
+                file=sys.stderr,
+            )
+
+
 def _main(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     options = _options(config, args)
+    study_options = _check_study_options(args)
     if args.fresh:
-        for tier in config.secondary_tiers:
-            if tier.path is not None and tier.path.exists():
-                shutil.rmtree(tier.path)
+        _wipe_tiers(config)
     report = run_replay(config, options)
     study: list[dict[str, Any]] = []
-    if args.policy_study or args.plot:
+    if study_options is not None:
         requests = load_trace(
             options.trace, options.scale, options.seed, Path(config.source).parent
         )
@@ -611,11 +686,9 @@ def _main(args: argparse.Namespace) -> int:
         hasher = PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm)
         key_lists = [hasher.hash_blocks(r.token_ids, r.extra_keys) for r in requests]
         unique = len({k for keys in key_lists for k in keys})
-        fractions = [float(f) for f in args.sizes.split(",") if f]
+        fractions = study_options.fractions
         capacities = sorted({max(1, math.ceil(unique * f)) for f in fractions})
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        for name in policies:
-            get_policy_class(name)  # fails early with the list of known policies
+        policies = study_options.policies
         study = policy_study(key_lists, capacities, policies, progress=options.progress)
         report["policy_study"] = study
         if args.plot:

@@ -42,6 +42,9 @@ request hooks and contexts; ``store_threshold``; ``get_stats`` deltas and ``conf
 misuse errors (typed, naming the argument, nothing changed); the same answers from the same
 calls on every run for a step-driven manager; ``shutdown`` idempotent. With
 ``has_lower_tiers``: an evicted block is promoted back (``RETRY``, then ``HIT``) bit-exact.
+With ``shared_lower_tier`` (the lowest tier is shared with other managers: a
+:class:`~tiering.shared_tier.SharedTier`): a key no tier holds answers ``RETRY`` until the
+shared tier's existence check has settled, then ``MISS``; the shared tier emits no events.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ class ManagerTests:
     has_lower_tiers: ClassVar[bool] = False
     #: Background results apply only at step boundaries, so answers are reproducible.
     step_driven: ClassVar[bool] = True
+    #: The lowest tier is shared with other managers (its store is its own index): a key no
+    #: tier holds answers RETRY until an existence check settles; it emits no events.
+    shared_lower_tier: ClassVar[bool] = False
 
     # -- hooks for subclasses --------------------------------------------------------------------
 
@@ -183,6 +189,28 @@ class ManagerTests:
     def primary_events(manager: OffloadingManager) -> list[OffloadingEvent]:
         return [e for e in manager.take_events() if e.owner is None]
 
+    def assert_miss(
+        self, manager: OffloadingManager, key: OffloadKey, req_context: object = None
+    ) -> None:
+        """``key`` is in no tier: ``MISS`` (with a shared lower tier, once the existence check
+        its first lookup starts has settled)."""
+        answer = manager.lookup_result(key, req_context)
+        if self.shared_lower_tier and answer is RETRY:
+            self.settle(manager)
+            answer = manager.lookup_result(key, req_context)
+        assert answer is MISS, f"{key.hex()}: {answer}"
+
+    def settled_prefix(
+        self, manager: OffloadingManager, keys: Sequence[OffloadKey], req_context: object = None
+    ) -> int | None:
+        """``lookup_prefix``; with a shared lower tier, asked again after the step settles if
+        the first answer waits for existence checks."""
+        answer = manager.lookup_prefix(list(keys), req_context=req_context)
+        if self.shared_lower_tier and answer is None:
+            self.settle(manager)
+            answer = manager.lookup_prefix(list(keys), req_context=req_context)
+        return answer
+
     def _need_lru(self) -> None:
         if not self.lru_order:
             pytest.skip("exact-order test for LRU-ordered managers")
@@ -195,7 +223,8 @@ class ManagerTests:
 
     def test_lookup_in_every_state(self, new_manager: ManagerFactory) -> None:
         manager = new_manager()
-        assert manager.lookup_result(k(1)) is MISS and manager.lookup(k(1)) is False
+        self.assert_miss(manager, k(1))
+        assert manager.lookup(k(1)) is False
         out = manager.prepare_store([k(1)])
         assert out is not None and out.keys_to_store == [k(1)]
         assert manager.lookup_result(k(1)) is HIT_PENDING and manager.lookup(k(1)) is None
@@ -211,7 +240,7 @@ class ManagerTests:
         manager = new_manager()
         self.store(manager, [k(1), k(2)])
         assert manager.prepare_store([k(3)]) is not None
-        assert manager.lookup_prefix([k(1), k(2), k(4)]) == 2
+        assert self.settled_prefix(manager, [k(1), k(2), k(4)]) == 2
         assert manager.lookup_prefix([k(1), k(3)]) is None
         assert manager.lookup_prefix([k(4), k(1)]) == 0
         assert manager.lookup_prefix([]) == 0
@@ -321,7 +350,9 @@ class ManagerTests:
         assert manager.prepare_store([k(4), k(5)]) is None  # one free slot, the rest pinned
         assert manager.prepare_store([k(i) for i in range(10, 15)]) is None  # over capacity
         assert manager.take_events() == []
-        assert [manager.lookup_result(x) for x in (k(1), k(4), k(5))] == [HIT, MISS, MISS]
+        assert manager.lookup_result(k(1)) is HIT
+        self.assert_miss(manager, k(4))
+        self.assert_miss(manager, k(5))
         out = manager.prepare_store([k(4)])  # the free slot is still free
         assert out is not None and out.evicted_keys == []
         manager.complete_load([k(1), k(2), k(3)])
@@ -339,7 +370,8 @@ class ManagerTests:
         assert manager.prepare_store([k(2), k(3)]) is not None
         manager.complete_store([k(1), k(2), k(3)], success=False)
         assert manager.lookup_result(k(1)) is HIT  # already ready: untouched
-        assert manager.lookup_result(k(2)) is MISS and manager.lookup_result(k(3)) is MISS
+        self.assert_miss(manager, k(2))
+        self.assert_miss(manager, k(3))
         self.settle(manager)
         assert manager.lookup_result(k(2)) is MISS  # never reached any tier
         out = manager.prepare_store([k(4), k(5), k(6)])  # the freed slots are free again
@@ -349,7 +381,7 @@ class ManagerTests:
         manager = new_manager()
         manager.complete_store([k(7)])
         manager.complete_store([k(8)], success=False)
-        assert manager.lookup_result(k(7)) is MISS
+        self.assert_miss(manager, k(7))
 
     # -- eviction ---------------------------------------------------------------------------------
 
@@ -410,7 +442,7 @@ class ManagerTests:
         manager.take_events()
         manager.reset_cache()
         for key in (k(1), k(2), k(3)):
-            assert manager.lookup_result(key) is MISS
+            self.assert_miss(manager, key)
         removed = [e for e in self.primary_events(manager) if e.removed]
         assert sorted(key for e in removed for key in e.keys) == [k(1), k(2), k(3)]
         with pytest.raises(ProtocolError):
@@ -435,7 +467,7 @@ class ManagerTests:
         self.store(manager, [k(1), k(2)], req_context=context)
         assert manager.lookup_result(k(1), req_context=context) is HIT
         assert manager.lookup(k(2), req_context=context) is True
-        assert manager.lookup_prefix([k(1), k(2), k(3)], req_context=context) == 2
+        assert self.settled_prefix(manager, [k(1), k(2), k(3)], req_context=context) == 2
         manager.touch([k(1)], req_context=context)
         spec = manager.prepare_load([k(1)], req_context=context)
         manager.complete_load([k(1)], req_context=context)
@@ -492,7 +524,7 @@ class ManagerTests:
         assert manager.store_threshold == 2
         first = manager.prepare_store([k(1), k(2)])
         assert first is not None and first.keys_to_store == []  # not refused: not admitted yet
-        assert manager.lookup_result(k(1)) is MISS
+        self.assert_miss(manager, k(1))
         second = manager.prepare_store([k(1), k(3)])
         assert second is not None and second.keys_to_store == [k(1)]
         manager.complete_store([k(1)])
@@ -510,7 +542,11 @@ class ManagerTests:
 
     def _observe(self, manager: OffloadingManager) -> list[object]:
         """What a caller can see of keys 1-3, and the events since the previous call."""
-        return [manager.lookup_result(x) for x in (k(1), k(2), k(3))] + [manager.take_events()]
+        answers: list[object] = [manager.lookup_result(x) for x in (k(1), k(2), k(3))]
+        if self.shared_lower_tier and RETRY in answers:
+            self.settle(manager)  # keys in no tier: their existence checks settle first
+            answers = [manager.lookup_result(x) for x in (k(1), k(2), k(3))]
+        return answers + [manager.take_events()]
 
     @pytest.mark.parametrize(
         "bad_key", ["key", bytearray(b"key-bytes-1"), 7, None, ["key"]], ids=repr
@@ -646,6 +682,9 @@ class ManagerTests:
         assert manager.lookup_prefix([k(1), k(2)], req_context="r2") == 2
         self.load_exact(manager, [k(1), k(2)])
         lower = [e for e in manager.take_events() if e.owner is not None]
+        if self.shared_lower_tier:
+            assert lower == []  # a shared tier owns no state to announce
+            return
         assert lower and all(e.medium != manager.medium for e in lower)
         assert any(not e.removed and k(1) in e.keys for e in lower)
 
