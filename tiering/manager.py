@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import cast
 
@@ -137,6 +138,12 @@ class CPUOffloadingManager(OffloadingManager):
         """Every held key's slot (a read-only live view)."""
         return self._slots_view
 
+    def lookup_state(self) -> tuple[Mapping[OffloadKey, int], AbstractSet[OffloadKey]]:
+        """What :meth:`lookup_result` reads, live, read-only for the caller: key -> slot of every
+        held key, and the keys being written. A key in the first and not the second is a HIT.
+        For a tiering manager, whose lookup tests them inline (the engine's hottest call)."""
+        return self._slots, self._not_ready
+
     # -- lookups ------------------------------------------------------------------------------
 
     def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
@@ -191,7 +198,11 @@ class CPUOffloadingManager(OffloadingManager):
         """
         if misplaced:
             reject_positional("prepare_load", misplaced, "req_context")
-        key_list = check_keys(keys)
+        return self.prepare_load_checked(check_keys(keys))
+
+    def prepare_load_checked(self, key_list: list[OffloadKey]) -> LoadStoreSpec:
+        """:meth:`prepare_load` of keys :func:`~tiering.keys.check_keys` already checked (a
+        tiering manager's call: one check per call)."""
         slots = self._slots
         not_ready = self._not_ready
         try:
@@ -215,7 +226,10 @@ class CPUOffloadingManager(OffloadingManager):
         key was not prepared (as many times as it is listed)."""
         if misplaced:
             reject_positional("complete_load", misplaced, "req_context")
-        key_list = check_keys(keys)
+        self.complete_load_checked(check_keys(keys))
+
+    def complete_load_checked(self, key_list: list[OffloadKey]) -> None:
+        """:meth:`complete_load` of keys :func:`~tiering.keys.check_keys` already checked."""
         pins = self._pins
         if len(dict.fromkeys(key_list)) != len(key_list) or not all(
             map(pins.__contains__, key_list)
@@ -263,6 +277,10 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("touch", misplaced, "req_context")
         self._policy.touch(check_keys(keys))
 
+    def touch_checked(self, key_list: list[OffloadKey]) -> None:
+        """:meth:`touch` of keys :func:`~tiering.keys.check_keys` already checked."""
+        self._policy.touch(key_list)
+
     # -- stores -------------------------------------------------------------------------------
 
     def prepare_store(
@@ -278,7 +296,12 @@ class CPUOffloadingManager(OffloadingManager):
         """
         if misplaced:
             reject_positional("prepare_store", misplaced, "req_context")
-        key_list = check_keys(keys)
+        return self.prepare_store_checked(check_keys(keys), req_context)
+
+    def prepare_store_checked(
+        self, key_list: list[OffloadKey], req_context: object = None
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store` of keys :func:`~tiering.keys.check_keys` already checked."""
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
         if self._offers is not None:
@@ -362,10 +385,18 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("complete_store", misplaced, "success and req_context")
         if success is not True and success is not False:
             check_success(success)
+        self._complete_store(check_keys(keys), success)
+
+    def complete_store_ready(self, key_list: list[OffloadKey]) -> list[OffloadKey]:
+        """:meth:`complete_store` (success) of keys :func:`~tiering.keys.check_keys` already
+        checked; returns the keys it made ready, in order, once each."""
+        return self._complete_store(key_list, True)
+
+    def _complete_store(self, key_list: list[OffloadKey], success: bool) -> list[OffloadKey]:
         not_ready = self._not_ready
-        done = [key for key in check_keys(keys) if key in not_ready]  # unknown or ready: left
+        done = [key for key in key_list if key in not_ready]  # unknown or ready: left alone
         if not done:
-            return
+            return done
         before = len(not_ready)
         not_ready.difference_update(done)
         if before - len(not_ready) != len(done):  # a key listed twice counts once
@@ -382,6 +413,7 @@ class CPUOffloadingManager(OffloadingManager):
                 policy.remove(key)
             self._freed_slots += map(slots_of.pop, done)
             self._failed_blocks += len(done)
+        return done
 
     # -- hooks for a tiering manager -----------------------------------------------------------
 
