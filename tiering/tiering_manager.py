@@ -342,8 +342,9 @@ class TieringOffloadingManager(OffloadingManager):
         if answer is HIT_PENDING:
             self.primary_lookup_pending += 1
             return RETRY if key in self._promoting else HIT_PENDING
-        self.primary_lookup_misses += 1
-        return self._lookup_below(key, req_context)
+        answer = self._lookup_below(key, req_context)
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return answer
 
     def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
@@ -362,8 +363,9 @@ class TieringOffloadingManager(OffloadingManager):
         if answer is None:
             self.primary_lookup_pending += 1
             return None
-        self.primary_lookup_misses += 1
-        return AS_BOOL[self._lookup_below(key, req_context)]
+        below = AS_BOOL[self._lookup_below(key, req_context)]
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return below
 
     def _lookup_below(self, key: bytes, req_context: object) -> LookupResult:
         """The answer for a key the primary does not hold."""
