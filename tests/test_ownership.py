@@ -286,8 +286,9 @@ def test_config_check_and_doctor_report_a_mismatch_beforehand(
     populate(write_config(tmp_path, shape="tiny"), 2)
     before = tree_state(tmp_path / "tiers")
     changed = write_config(tmp_path, shape="tiny-hybrid")
-    status, _out, err = run(["config", "check", str(changed)], capsys)
+    status, out, err = run(["config", "check", str(changed)], capsys)
     assert status == 2
+    assert out.splitlines()[0] == f"{changed}: 2 error(s), on stderr"
     assert err.count("error: ") == 2 and "holds blocks written for another layout" in err
     status, out, _err = run(["doctor", "--config", str(changed)], capsys)
     assert status == 1

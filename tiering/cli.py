@@ -237,7 +237,9 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         document = checks_document("config check", args.file, checks, status)
         _print_json(document | {"model": model, "tiers": tiers})
         return status
-    print(f"{args.file}: OK")
+    errors = sum(c.verdict == FAIL for c in checks)
+    # The headline is the verdict: a config whose tier directories are refused is not OK.
+    print(f"{args.file}: OK" if not errors else f"{args.file}: {errors} error(s), on stderr")
     if config.model is None or layout is None:
         print("model: none (the blocks each tier holds depend on model.shape)")
     else:
