@@ -42,6 +42,7 @@ import numpy as np
 
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.errors import ConfigurationError, TieringError
+from tiering.latency import LatencyRecord
 from tiering.policies import EvictionPolicy, make_policy
 from tiering.protocol import ConfigInfo
 
@@ -78,7 +79,9 @@ class TierKeyState(enum.IntEnum):
 
 @dataclass
 class TierMetrics:
-    """Counters of one tier (cumulative); latencies in seconds, one sample per job."""
+    """Counters of one tier (cumulative); job latencies in seconds, one sample per job, in
+    fixed memory (:class:`~tiering.latency.LatencyRecord`: exact count, total and histogram,
+    sampled percentiles)."""
 
     lookup_hits: int = 0
     promotions: int = 0
@@ -95,8 +98,8 @@ class TierMetrics:
     bytes_written: int = 0
     bytes_read: int = 0
     open_failures: int = 0
-    load_latency_s: list[float] = field(default_factory=list)
-    store_latency_s: list[float] = field(default_factory=list)
+    load_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
+    store_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
 
     def counters(self) -> dict[str, int]:
         """The integer counters by name (latency samples left out)."""
@@ -600,9 +603,9 @@ class SecondaryTier:
         return memoryview(self._rows[slot])
 
     @staticmethod
-    def _outcomes(job: TierJob, result: object, latencies: list[float]) -> list[Outcome]:
+    def _outcomes(job: TierJob, result: object, latencies: LatencyRecord) -> list[Outcome]:
         if isinstance(result, IOResult):
-            latencies.append(result.elapsed_s)
+            latencies.add(result.elapsed_s)
             return result.outcomes
         return [FAILED] * len(job.keys)  # the job itself failed (it should not, but be safe)
 

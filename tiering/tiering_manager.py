@@ -203,6 +203,10 @@ class TieringOffloadingManager(OffloadingManager):
         )
         self._draining: dict[int, int] = {}  # primary slot -> write-back jobs still copying it
         self.promotions_without_space = 0
+        # Keys looked up in the primary, by answer (lookups are their sum): read by metrics().
+        self.primary_lookup_hits = 0  # ready there
+        self.primary_lookup_pending = 0  # being written there (a store, or a promotion)
+        self.primary_lookup_misses = 0  # not there
         self._stats_seen: ManagerStats = {}
         self._closed = False
         # Whether a lookup may have to run _begin_call: standalone, or shut down (one load on
@@ -350,16 +354,22 @@ class TieringOffloadingManager(OffloadingManager):
         # The primary's lookup_result, inline (the engine's hottest call): the key is bytes.
         if key in self._primary_slots:
             if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
                 return HIT
+            self.primary_lookup_pending += 1
             return RETRY if key in self._promoting else HIT_PENDING
         tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
         if tier_held is not None and (not self._promoting or key not in self._promoting):
             if type(tier_held) is set:
                 if key not in tier_held:
+                    self.primary_lookup_misses += 1
                     return MISS
             elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
                 return MISS
-        return self._lookup_below(key, req_context)
+        answer = self._lookup_below(key, req_context)
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return answer
 
     def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
@@ -372,15 +382,23 @@ class TieringOffloadingManager(OffloadingManager):
         ):
             self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
         if key in self._primary_slots:  # the primary's lookup, inline: the key is bytes
-            return None if key in self._primary_not_ready else True
+            if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
+                return True
+            self.primary_lookup_pending += 1
+            return None
         tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
         if tier_held is not None and (not self._promoting or key not in self._promoting):
             if type(tier_held) is set:
                 if key not in tier_held:
+                    self.primary_lookup_misses += 1
                     return False
             elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
                 return False
-        return AS_BOOL[self._lookup_below(key, req_context)]
+        below = AS_BOOL[self._lookup_below(key, req_context)]
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return below
 
     def _lookup_below(self, key: bytes, req_context: object) -> LookupResult:
         """The answer for a key the primary does not hold."""
@@ -429,6 +447,7 @@ class TieringOffloadingManager(OffloadingManager):
             if lookup(key) is not True:
                 break
             count += 1
+        self.primary_lookup_hits += count  # the first other key is counted just below
         promotable: dict[bytes, int] = {}
         pending = False
         for key in key_list[count:]:
@@ -481,8 +500,13 @@ class TieringOffloadingManager(OffloadingManager):
         """The key's state across tiers; a key a tier could promote is PENDING and noted."""
         answer = self.primary.lookup(OffloadKey(key))
         if answer is True:
+            self.primary_lookup_hits += 1
             return KeyState.READY
-        if answer is None or key in self._promoting:
+        if answer is None:
+            self.primary_lookup_pending += 1
+            return KeyState.PENDING
+        self.primary_lookup_misses += 1
+        if key in self._promoting:
             return KeyState.PENDING
         if self._counts_lookups:
             self._count_lookup(key)
@@ -930,12 +954,27 @@ class TieringOffloadingManager(OffloadingManager):
         return self.primary.config_info() + [tier.config_info() for tier in self.tiers]
 
     def metrics(self) -> dict[str, Any]:
-        """Counters (totals) per tier and of the primary tier."""
+        """Counters (totals) per tier and of the primary tier.
+
+        ``"primary"``: ``blocks``, ``free_blocks``, ``promotions_without_space``, the keys
+        looked up in it by any lookup call (``lookups``, the sum of ``lookup_hits``: ready
+        there, ``lookup_pending``: being written there, ``lookup_misses``: not there) and the
+        primary's own counters (:meth:`CPUOffloadingManager.counters`: ``stored_blocks``,
+        ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``). Each
+        tier by name: its state, usage, :class:`~tiering.tier.TierMetrics` counters and its
+        backend's stats."""
+        hits, pending = self.primary_lookup_hits, self.primary_lookup_pending
+        misses = self.primary_lookup_misses
         out: dict[str, Any] = {
             "primary": {
                 "blocks": len(self.primary),
                 "free_blocks": self.primary.num_free_blocks,
                 "promotions_without_space": self.promotions_without_space,
+                "lookups": hits + pending + misses,
+                "lookup_hits": hits,
+                "lookup_pending": pending,
+                "lookup_misses": misses,
+                **self.primary.counters(),
             }
         }
         for tier in self.tiers:
