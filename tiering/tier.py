@@ -225,6 +225,9 @@ class SecondaryTier:
         self.max_inflight_jobs = max_inflight_jobs
         self._policy_spec = policy
         self._policy: EvictionPolicy | None = None
+        #: Every key the index holds (READY, WRITING or quarantined), kept with the policy: a
+        #: manager's lookup tests a miss against it in one probe (read-only for callers).
+        self.held: set[bytes] = set()
         self._writing: set[bytes] = set()
         self._reading: dict[bytes, int] = {}
         self._dirty: set[bytes] = set()  # write-back: in the primary, not written here yet
@@ -275,6 +278,8 @@ class SecondaryTier:
         for key in recovered:
             if key not in policy:
                 policy.insert(key)
+        self.held.clear()
+        self.held.update(policy)
         self._policy = policy
         self.status = "open"
 
@@ -456,10 +461,14 @@ class SecondaryTier:
                 return None
             victims = chosen
             self.metrics.evictions += len(victims)
-        for key in to_write:
-            policy.insert(key, evictable=False)
-            self._writing.add(key)
-            self._quarantine.pop(key, None)
+            self.held.difference_update(victims)
+        policy.insert_many(to_write, evictable=False)
+        self.held.update(to_write)
+        self._writing.update(to_write)
+        quarantine = self._quarantine
+        if len(quarantine):  # (a TTLCache's pop is a few Python calls: skip it when empty)
+            for key in to_write:
+                quarantine.pop(key, None)
         return to_write, victims
 
     def finish_store(self, job: TierJob, result: object) -> StoreResult:
@@ -483,6 +492,7 @@ class SecondaryTier:
             return StoreResult(stored, pairs + [(job.keys[i], job.slots[i]) for i in full], None)
         self.metrics.full_retries += 1
         self.metrics.evictions += len(victims)
+        self.held.difference_update(victims)
         retry = self._write_job(
             job.kind,
             full_keys,
@@ -504,6 +514,7 @@ class SecondaryTier:
                 published.append(key)
             else:
                 policy.remove(key)
+                self.held.discard(key)
                 self.metrics.store_failures += 1
         self.metrics.stored_blocks += len(published)
         return published
@@ -560,6 +571,7 @@ class SecondaryTier:
                 # The backend no longer holds it: forget it for good.
                 if key in policy and not count:
                     policy.remove(key)
+                    self.held.discard(key)
                     removed.append(key)
             else:
                 self._quarantine[key] = True
@@ -574,6 +586,7 @@ class SecondaryTier:
         keys = list(self._policy) if self._policy is not None else []
         if self._policy is not None:
             self._policy.clear()
+        self.held.clear()
         self._writing.clear()
         self._reading.clear()
         self._dirty.clear()

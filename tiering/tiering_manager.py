@@ -209,6 +209,9 @@ class TieringOffloadingManager(OffloadingManager):
         self.primary_lookup_misses = 0  # not there
         self._stats_seen: ManagerStats = {}
         self._closed = False
+        # Whether a lookup may have to run _begin_call: standalone, or shut down (one load on
+        # a step-driven lookup's path; step_driven is fixed at construction).
+        self._lookup_guarded = not step_driven
         self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
         shared = [i for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)]
         if len(shared) > 1:
@@ -221,6 +224,19 @@ class TieringOffloadingManager(OffloadingManager):
                 "lookup asks it only once every local tier has missed"
             )
         self._shared_index = shared[0] if shared else -1
+        self._primary_slots, self._primary_not_ready = primary.lookup_state()
+        # A lookup's miss test, when every tier answers from its index alone: a key in no
+        # tier's ``held`` is ABSENT everywhere (one probe per tier, no call). None: ask each
+        # tier's state() (a shared tier, a tier class with its own state(), lookup counting).
+        # With one tier (the usual case) its set itself: no loop.
+        self._tier_held: set[bytes] | tuple[set[bytes], ...] | None = None
+        if (
+            not shared
+            and not self._counts_lookups
+            and all(type(t).state is SecondaryTier.state for t in self.tiers)
+        ):
+            held = tuple(t.held for t in self.tiers)
+            self._tier_held = held[0] if len(held) == 1 else held
         self._shared: SharedTier | None = (
             cast(SharedTier, self.tiers[shared[0]]) if shared else None
         )
@@ -329,19 +345,28 @@ class TieringOffloadingManager(OffloadingManager):
         start or queue); MISS if in no tier."""
         if type(key) is not bytes:
             check_key(key)
-        if (
+        if self._lookup_guarded and (
             self._closed
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
             self._begin_call(req_context)
-        answer = self.primary.lookup_result(key)
-        if answer is HIT:
-            self.primary_lookup_hits += 1
-            return HIT
-        if answer is HIT_PENDING:
+        # The primary's lookup_result, inline (the engine's hottest call): the key is bytes.
+        if key in self._primary_slots:
+            if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
+                return HIT
             self.primary_lookup_pending += 1
             return RETRY if key in self._promoting else HIT_PENDING
+        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
+        if tier_held is not None and (not self._promoting or key not in self._promoting):
+            if type(tier_held) is set:
+                if key not in tier_held:
+                    self.primary_lookup_misses += 1
+                    return MISS
+            elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
+                return MISS
         answer = self._lookup_below(key, req_context)
         self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
         return answer
@@ -350,19 +375,27 @@ class TieringOffloadingManager(OffloadingManager):
         """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
         if type(key) is not bytes:
             check_key(key)
-        if (
+        if self._lookup_guarded and (
             self._closed
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
             self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
-        answer = self.primary.lookup(key)
-        if answer is True:
-            self.primary_lookup_hits += 1
-            return True
-        if answer is None:
+        if key in self._primary_slots:  # the primary's lookup, inline: the key is bytes
+            if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
+                return True
             self.primary_lookup_pending += 1
             return None
+        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
+        if tier_held is not None and (not self._promoting or key not in self._promoting):
+            if type(tier_held) is set:
+                if key not in tier_held:
+                    self.primary_lookup_misses += 1
+                    return False
+            elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
+                return False
         below = AS_BOOL[self._lookup_below(key, req_context)]
         self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
         return below
@@ -746,7 +779,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        return self.primary.prepare_load(key_list)
+        return self.primary.prepare_load_checked(key_list)
 
     def complete_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -755,7 +788,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("complete_load", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        self.primary.complete_load(key_list)
+        self.primary.complete_load_checked(key_list)
 
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -765,7 +798,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("touch", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        self.primary.touch(key_list)
+        self.primary.touch_checked(key_list)
         for tier in self.tiers:
             tier.touch(key_list)
 
@@ -781,7 +814,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("prepare_store", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        out = self.primary.prepare_store(key_list, req_context=req_context)
+        out = self.primary.prepare_store_checked(key_list, req_context)
         self._pull_primary_events()
         return out
 
@@ -804,11 +837,8 @@ class TieringOffloadingManager(OffloadingManager):
             primary.complete_store(key_list, success=success)
             self._pull_primary_events()
             return
-        lookup = primary.lookup
-        fresh = [k for k in key_list if lookup(k) is None]
-        primary.complete_store(key_list)
+        ready = primary.complete_store_ready(key_list)  # those made ready, once each
         self._pull_primary_events()
-        ready = [k for k in fresh if lookup(k) is True]
         if not ready:
             return
         slots = cast("Mapping[bytes, int]", primary.slots)
@@ -1105,6 +1135,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _finish_close(self) -> None:
         self._closed = True
+        self._lookup_guarded = True
         self._io.close()
         self.primary.shutdown()
         # Keep no view of the pool: its owner may unmap it next (vLLM's shared offload region
