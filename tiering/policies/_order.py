@@ -15,9 +15,18 @@ order is the order of stamps. A key's stamp is kept wherever the key is:
 Unpinning a key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
 place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
-key), and a min-heap of ``(stamp, key)`` holds its true place. A heap entry is valid while
-``_main`` maps its key to its stamp (a use, a pin or an eviction since makes it stale; stale
-entries are skipped and compacted away).
+key), and a min-heap of ``(stamp, key)`` holds its true place. ``_main`` maps a released key to
+``~stamp`` (negative), so that every call that takes a released key out of ``_main`` (a use, a
+pin, a discard, an eviction) sees it at no extra cost and counts it. A heap entry is valid while
+``_main`` maps its key to ``~stamp``; the others are stale.
+
+Stale entries. ``_released`` counts the released keys, each with exactly one valid entry, so the
+heap holds ``len(_heap) - _released`` stale ones (a duplicate of a valid entry counts as stale).
+A call that makes entries stale compacts the heap once they outnumber the valid ones by more
+than a slack: the compaction costs O(entries), at most about twice the stale entries made since
+the last one, so each call pays O(1) amortized for the entries it made stale, and no victim
+search pops more stale entries than there are valid ones (plus the slack), however many keys
+were pinned or used since.
 
 Why this is exact. Stamps of the keys in their place increase along ``_main``, and a released
 key sits behind every key in its place that is older than it. So the oldest evictable key is the
@@ -26,9 +35,9 @@ at least as old (the head's own entry is there). A victim search (:meth:`take`) 
 those two; protected keys it meets are held aside and return released, as do the victims of a
 search the caller undoes: a search that fails changes nothing a caller can observe.
 
-Cost. Adding, touching and pinning a key are O(1); unpinning is O(1) or one heap push; a victim
-is one ``popitem`` (with nothing released) or O(log n) heap work. No call does work that grows
-with the number of pinned keys.
+Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) or one heap
+push; a victim is one ``popitem`` (with nothing released) or O(log n) heap work. No call does
+work that grows with the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -40,10 +49,9 @@ from operator import itemgetter
 
 __all__ = ["RecencyOrder"]
 
-# Compact the heap once its entries outnumber the valid ones of the last compaction by this
-# factor (plus a floor): O(1) amortized per push.
-_HEAP_SLACK_FACTOR = 2
-_HEAP_SLACK_MIN = 64
+# Compact the heap once its stale entries outnumber the valid ones by more than this: small
+# heaps are not worth compacting, and every compaction then drops at least this many entries.
+_STALE_SLACK = 64
 
 _heappop = heapq.heappop
 _heappush = heapq.heappush
@@ -60,10 +68,10 @@ class RecencyOrder:
         "_aside",
         "_clock",
         "_heap",
-        "_heap_limit",
         "_last",
         "_main",
         "_parked",
+        "_released",
         "_taken_keys",
         "_taken_stamps",
         "size",
@@ -73,7 +81,7 @@ class RecencyOrder:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
         self._heap: list[tuple[int, bytes]] = []
-        self._heap_limit = _HEAP_SLACK_MIN
+        self._released = 0  # keys in _main out of place (each with one valid heap entry)
         self._clock = -1  # the last stamp given (ints: cheaper than itertools.count)
         self._last = -1  # the newest stamp ever appended to _main in its place
         self._aside: list[tuple[int, bytes]] = []
@@ -94,7 +102,9 @@ class RecencyOrder:
         if not self._parked and not self._heap:
             yield from self._main  # nothing out of place
             return
-        for key, _ in sorted([*self._parked.items(), *self._main.items()], key=itemgetter(1)):
+        entries = [*self._parked.items()]
+        entries += [(k, s if s >= 0 else ~s) for k, s in self._main.items()]
+        for key, _ in sorted(entries, key=itemgetter(1)):
             yield key
 
     @property
@@ -152,9 +162,13 @@ class RecencyOrder:
         """Make ``key`` the most recent; return whether it was present."""
         main = self._main
         if key in main:
-            main.move_to_end(key)  # a released key's heap entry goes stale with its new stamp
+            main.move_to_end(key)
+            was = main[key]
             stamp = main[key] = self._clock = self._clock + 1
             self._last = stamp
+            if was < 0:  # released: its heap entry goes stale
+                self._released -= 1
+                self._compact_if_stale()
             return True
         if key in self._parked:
             self._parked[key] = self._clock = self._clock + 1
@@ -168,9 +182,12 @@ class RecencyOrder:
         move_to_end = main.move_to_end
         stamp = self._clock
         last = self._last
+        released = self._released
         for key in reversed(keys):
             if key in main:
                 move_to_end(key)
+                if main[key] < 0:  # released: its heap entry goes stale
+                    released -= 1
                 stamp += 1
                 main[key] = last = stamp
             elif key in parked:
@@ -178,6 +195,9 @@ class RecencyOrder:
                 parked[key] = stamp
         self._clock = stamp
         self._last = last
+        if released != self._released:
+            self._released = released
+            self._compact_if_stale()
 
     def touch_all_promoting(self, keys: Sequence[bytes], into: RecencyOrder) -> None:
         """ARC's touch, from the last key to the first: an evictable key of this order moves to
@@ -188,12 +208,17 @@ class RecencyOrder:
         move_to_end = into_main.move_to_end
         stamp, into_stamp, into_last = self._clock, into._clock, into._last
         moved = 0
+        into_released = into._released
+        released = self._released
         for key in reversed(keys):
             # The lists are disjoint: the likeliest places first.
             if key in into_main:
                 move_to_end(key)
+                if into_main[key] < 0:  # released: its heap entry goes stale
+                    into_released -= 1
             elif key in main:
-                del main[key]  # a released key's heap entry goes stale
+                if main.pop(key) < 0:  # released: its heap entry goes stale
+                    released -= 1
                 moved += 1
             elif key in parked:
                 stamp += 1
@@ -211,11 +236,22 @@ class RecencyOrder:
         if moved:
             self.size -= moved
             into.size += moved
+        if released != self._released:
+            self._released = released
+            self._compact_if_stale()
+        if into_released != into._released:
+            into._released = into_released
+            into._compact_if_stale()
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
-        if self._main.pop(key, None) is None and self._parked.pop(key, None) is None:
-            return False
+        stamp = self._main.pop(key, None)
+        if stamp is None:
+            if self._parked.pop(key, None) is None:
+                return False
+        elif stamp < 0:  # released: its heap entry goes stale
+            self._released -= 1
+            self._compact_if_stale()
         self.size -= 1
         return True
 
@@ -238,6 +274,7 @@ class RecencyOrder:
         if evictable:
             heap = self._heap
             last = self._last
+            pushed = len(heap)
             for key in keys:
                 stamp = parked.pop(key, None)
                 if stamp is None:
@@ -245,23 +282,29 @@ class RecencyOrder:
                         absent.append(key)
                     continue
                 changed.append(key)
-                main[key] = stamp
                 if stamp > last:  # nothing newer in _main: the tail is its place
-                    last = stamp
+                    main[key] = last = stamp
                 else:  # released: the heap keeps its place
+                    main[key] = ~stamp
                     _heappush(heap, (stamp, key))
+            self._released += len(heap) - pushed
             self._last = last
-            if len(heap) > self._heap_limit:
-                self._compact_heap()
         else:
+            released = self._released
             for key in keys:
-                stamp = main.pop(key, None)  # a released key's heap entry goes stale
+                stamp = main.pop(key, None)
                 if stamp is None:
                     if key not in parked:
                         absent.append(key)
                     continue
                 changed.append(key)
+                if stamp < 0:  # released: its heap entry goes stale
+                    stamp = ~stamp
+                    released -= 1
                 parked[key] = stamp
+            if released != self._released:
+                self._released = released
+                self._compact_if_stale()
         return changed, absent
 
     # -- victim search ------------------------------------------------------------------------
@@ -277,11 +320,12 @@ class RecencyOrder:
         got: list[bytes] = []
         stamps = self._taken_stamps
         aside = self._aside
+        released = self._released
         while n:
             # The heap's valid top, if any: the oldest released key.
             while heap:
                 top_stamp, top_key = heap[0]
-                if get(top_key) == top_stamp:
+                if get(top_key) == ~top_stamp:
                     break
                 _heappop(heap)  # stale: used, pinned or taken since it was pushed
             else:
@@ -289,11 +333,14 @@ class RecencyOrder:
             # Victims from the head of _main while it is not newer than the heap's top (all of
             # them when nothing is released: the usual case).
             while n and main:
-                key, stamp = popitem(False)
+                key, value = popitem(False)
+                stamp = value if value >= 0 else ~value
                 if 0 <= top_stamp < stamp:
-                    main[key] = stamp  # newer than the heap's top: back to the head
+                    main[key] = value  # newer than the heap's top: back to the head
                     main.move_to_end(key, False)
                     break
+                if value < 0:  # released: its heap entry goes stale
+                    released -= 1
                 if key in protected:
                     aside.append((stamp, key))
                     continue
@@ -302,16 +349,18 @@ class RecencyOrder:
                 n -= 1
             if not n or top_stamp < 0:
                 break  # done, or nothing is left anywhere
-            if get(top_key) != top_stamp:
+            if get(top_key) != ~top_stamp:
                 continue  # the head was the heap's top: taken or set aside above
             _heappop(heap)
             del main[top_key]
+            released -= 1
             if top_key in protected:
                 aside.append((top_stamp, top_key))
                 continue
             got.append(top_key)
             stamps.append(top_stamp)
             n -= 1
+        self._released = released
         if got:
             self.size -= len(got)
             self._taken_keys += got
@@ -333,17 +382,17 @@ class RecencyOrder:
         if aside:
             main, heap = self._main, self._heap
             for stamp, key in aside:  # released: back in _main, the heap keeps their places
-                main[key] = stamp
+                main[key] = ~stamp
                 _heappush(heap, (stamp, key))
+            self._released += len(aside)
             aside.clear()
-            if len(heap) > self._heap_limit:
-                self._compact_heap()
+        self._compact_if_stale()  # for the released keys this search took
 
     def clear(self) -> None:
         self._main.clear()
         self._parked.clear()
         self._heap.clear()
-        self._heap_limit = _HEAP_SLACK_MIN
+        self._released = 0
         self._aside.clear()
         self._taken_keys.clear()
         self._taken_stamps.clear()
@@ -351,9 +400,22 @@ class RecencyOrder:
         self._last = -1
         self.size = 0
 
+    @property
+    def stale_heap_entries(self) -> int:
+        """Heap entries no longer valid (for tests: at most the valid ones plus a slack)."""
+        return len(self._heap) - self._released
+
+    def _compact_if_stale(self) -> None:
+        """Compact the heap if its stale entries outnumber the valid ones by more than the
+        slack: the calls that made them stale pay for it, O(1) amortized each."""
+        if len(self._heap) - self._released > self._released + _STALE_SLACK:
+            self._compact_heap()
+
     def _compact_heap(self) -> None:
-        """Drop stale entries (uses, pins and evictions leave them behind)."""
+        """Keep one entry per released key (stale ones and duplicates go): O(entries)."""
         get = self._main.get
-        self._heap = [(s, k) for s, k in self._heap if get(k) == s]
+        # A dict keeps one entry per key: a key pinned and released again at the same stamp
+        # has two entries, both valid.
+        valid = {k: s for s, k in self._heap if get(k) == ~s}
+        self._heap = [(s, k) for k, s in valid.items()]
         heapq.heapify(self._heap)
-        self._heap_limit = _HEAP_SLACK_FACTOR * len(self._heap) + _HEAP_SLACK_MIN
