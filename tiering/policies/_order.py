@@ -15,29 +15,36 @@ order is the order of stamps. A key's stamp is kept wherever the key is:
 Unpinning a key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
 place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
-key), and a min-heap of ``(stamp, key)`` holds its true place. ``_main`` maps a released key to
-``~stamp`` (negative), so that every call that takes a released key out of ``_main`` (a use, a
-pin, a discard, an eviction) sees it at no extra cost and counts it. A heap entry is valid while
-``_main`` maps its key to ``~stamp``; the others are stale.
+key), and its true place is kept elsewhere. ``_main`` maps a released key to ``~stamp``
+(negative), so that every call that takes a released key out of ``_main`` (a use, a pin, a
+discard, an eviction) sees it in the value it reads and drops that place too:
 
-Stale entries. ``_released`` counts the released keys, each with exactly one valid entry, so the
+- ``_rel``: an ``OrderedDict`` key -> stamp of the keys released in increasing stamp order (a
+  write-through hold lets keys go in the order they were stored: the usual case). It stays in
+  stamp order, and a key leaves it at once (O(1)) when it leaves ``_main``;
+- ``_heap``: a min-heap of ``(stamp, key)`` of the other released keys. An entry is valid while
+  ``_main`` maps its key to ``~stamp``; the others are stale, left for a victim search to pop.
+
+Stale entries. ``_released`` counts the keys with a valid heap entry (exactly one each), so the
 heap holds ``len(_heap) - _released`` stale ones (a duplicate of a valid entry counts as stale).
 A call that makes entries stale compacts the heap once they outnumber the valid ones by more
 than a slack: the compaction costs O(entries), at most about twice the stale entries made since
 the last one, so each call pays O(1) amortized for the entries it made stale, and no victim
-search pops more stale entries than there are valid ones (plus the slack), however many keys
-were pinned or used since.
+search pops more stale entries than there are valid ones in the heap (plus the slack).
 
 Why this is exact. Stamps of the keys in their place increase along ``_main``, and a released
 key sits behind every key in its place that is older than it. So the oldest evictable key is the
-older of the heap's valid top and ``_main``'s head: if the head is released, the heap's top is
-at least as old (the head's own entry is there). A victim search (:meth:`take`) takes from
-those two; protected keys it meets are held aside and return released, as do the victims of a
-search the caller undoes: a search that fails changes nothing a caller can observe.
+oldest of ``_rel``'s head, the heap's valid top and ``_main``'s head: if the head is released,
+one of the other two is at least as old (the head's own place is there). A victim search
+(:meth:`take`) takes from those three; protected keys it meets are held aside and return
+released (to the heap), as do the victims of a search the caller undoes: a search that fails
+changes nothing a caller can observe.
 
 Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) or one heap
-push; a victim is one ``popitem`` (with nothing released) or O(log n) heap work. No call does
-work that grows with the number of pinned keys.
+push; a victim is one ``popitem`` (with nothing released), O(1) from ``_rel`` or O(log n) heap
+work. Keys released out of order and then pinned or used leave stale heap entries that a victim
+search may meet; at most as many as the heap's valid entries plus the slack, however many keys
+were pinned. No call does work that grows with the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class RecencyOrder:
         "_last",
         "_main",
         "_parked",
+        "_rel",
+        "_rel_last",
         "_released",
         "_taken_keys",
         "_taken_stamps",
@@ -81,7 +90,9 @@ class RecencyOrder:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
         self._heap: list[tuple[int, bytes]] = []
-        self._released = 0  # keys in _main out of place (each with one valid heap entry)
+        self._rel: OrderedDict[bytes, int] = OrderedDict()
+        self._rel_last = -1  # _rel's appends are newer than this (its newest stamp ever)
+        self._released = 0  # keys with a valid heap entry (one each)
         self._clock = -1  # the last stamp given (ints: cheaper than itertools.count)
         self._last = -1  # the newest stamp ever appended to _main in its place
         self._aside: list[tuple[int, bytes]] = []
@@ -99,7 +110,7 @@ class RecencyOrder:
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys from the oldest to the most recent, pinned ones included."""
-        if not self._parked and not self._heap:
+        if not self._parked and not self._heap and not self._rel:
             yield from self._main  # nothing out of place
             return
         entries = [*self._parked.items()]
@@ -166,9 +177,8 @@ class RecencyOrder:
             was = main[key]
             stamp = main[key] = self._clock = self._clock + 1
             self._last = stamp
-            if was < 0:  # released: its heap entry goes stale
-                self._released -= 1
-                self._compact_if_stale()
+            if was < 0:  # released: its place goes
+                self._drop_place(key)
             return True
         if key in self._parked:
             self._parked[key] = self._clock = self._clock + 1
@@ -180,13 +190,14 @@ class RecencyOrder:
         absent keys are ignored."""
         main, parked = self._main, self._parked
         move_to_end = main.move_to_end
+        rel_pop = self._rel.pop
         stamp = self._clock
         last = self._last
         released = self._released
         for key in reversed(keys):
             if key in main:
                 move_to_end(key)
-                if main[key] < 0:  # released: its heap entry goes stale
+                if main[key] < 0 and rel_pop(key, None) is None:  # its heap entry goes stale
                     released -= 1
                 stamp += 1
                 main[key] = last = stamp
@@ -214,11 +225,11 @@ class RecencyOrder:
             # The lists are disjoint: the likeliest places first.
             if key in into_main:
                 move_to_end(key)
-                if into_main[key] < 0:  # released: its heap entry goes stale
-                    into_released -= 1
+                if into_main[key] < 0 and into._rel.pop(key, None) is None:
+                    into_released -= 1  # released: its heap entry goes stale
             elif key in main:
-                if main.pop(key) < 0:  # released: its heap entry goes stale
-                    released -= 1
+                if main.pop(key) < 0 and self._rel.pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 moved += 1
             elif key in parked:
                 stamp += 1
@@ -249,9 +260,8 @@ class RecencyOrder:
         if stamp is None:
             if self._parked.pop(key, None) is None:
                 return False
-        elif stamp < 0:  # released: its heap entry goes stale
-            self._released -= 1
-            self._compact_if_stale()
+        elif stamp < 0:  # released: its place goes
+            self._drop_place(key)
         self.size -= 1
         return True
 
@@ -272,8 +282,8 @@ class RecencyOrder:
         changed: list[bytes] = []
         absent: list[bytes] = []
         if evictable:
-            heap = self._heap
-            last = self._last
+            heap, rel = self._heap, self._rel
+            last, rel_last = self._last, self._rel_last
             pushed = len(heap)
             for key in keys:
                 stamp = parked.pop(key, None)
@@ -284,13 +294,17 @@ class RecencyOrder:
                 changed.append(key)
                 if stamp > last:  # nothing newer in _main: the tail is its place
                     main[key] = last = stamp
-                else:  # released: the heap keeps its place
-                    main[key] = ~stamp
+                    continue
+                main[key] = ~stamp  # released
+                if stamp > rel_last:  # in order: _rel keeps its place
+                    rel[key] = rel_last = stamp
+                else:
                     _heappush(heap, (stamp, key))
             self._released += len(heap) - pushed
-            self._last = last
+            self._last, self._rel_last = last, rel_last
         else:
             released = self._released
+            rel_pop = self._rel.pop
             for key in keys:
                 stamp = main.pop(key, None)
                 if stamp is None:
@@ -298,9 +312,10 @@ class RecencyOrder:
                         absent.append(key)
                     continue
                 changed.append(key)
-                if stamp < 0:  # released: its heap entry goes stale
+                if stamp < 0:  # released: its place goes
                     stamp = ~stamp
-                    released -= 1
+                    if rel_pop(key, None) is None:  # its heap entry goes stale
+                        released -= 1
                 parked[key] = stamp
             if released != self._released:
                 self._released = released
@@ -315,14 +330,14 @@ class RecencyOrder:
 
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
-        main, heap = self._main, self._heap
+        main, heap, rel = self._main, self._heap, self._rel
         popitem, get = main.popitem, main.get
         got: list[bytes] = []
         stamps = self._taken_stamps
         aside = self._aside
         released = self._released
         while n:
-            # The heap's valid top, if any: the oldest released key.
+            # The oldest released key, if any: _rel's head or the heap's valid top.
             while heap:
                 top_stamp, top_key = heap[0]
                 if get(top_key) == ~top_stamp:
@@ -330,17 +345,22 @@ class RecencyOrder:
                 _heappop(heap)  # stale: used, pinned or taken since it was pushed
             else:
                 top_stamp = -1
-            # Victims from the head of _main while it is not newer than the heap's top (all of
-            # them when nothing is released: the usual case).
+            from_heap = top_stamp >= 0
+            if rel:
+                rel_key, rel_stamp = next(iter(rel.items()))
+                if not from_heap or rel_stamp < top_stamp:
+                    top_key, top_stamp, from_heap = rel_key, rel_stamp, False
+            # Victims from the head of _main while it is not newer than that key (all of them
+            # when nothing is released: the usual case).
             while n and main:
                 key, value = popitem(False)
                 stamp = value if value >= 0 else ~value
                 if 0 <= top_stamp < stamp:
-                    main[key] = value  # newer than the heap's top: back to the head
+                    main[key] = value  # newer than the oldest released key: back to the head
                     main.move_to_end(key, False)
                     break
-                if value < 0:  # released: its heap entry goes stale
-                    released -= 1
+                if value < 0 and rel.pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 if key in protected:
                     aside.append((stamp, key))
                     continue
@@ -350,10 +370,13 @@ class RecencyOrder:
             if not n or top_stamp < 0:
                 break  # done, or nothing is left anywhere
             if get(top_key) != ~top_stamp:
-                continue  # the head was the heap's top: taken or set aside above
-            _heappop(heap)
+                continue  # it was _main's head: taken or set aside above
             del main[top_key]
-            released -= 1
+            if from_heap:
+                _heappop(heap)
+                released -= 1
+            else:
+                del rel[top_key]
             if top_key in protected:
                 aside.append((top_stamp, top_key))
                 continue
@@ -392,6 +415,8 @@ class RecencyOrder:
         self._main.clear()
         self._parked.clear()
         self._heap.clear()
+        self._rel.clear()
+        self._rel_last = -1
         self._released = 0
         self._aside.clear()
         self._taken_keys.clear()
@@ -404,6 +429,13 @@ class RecencyOrder:
     def stale_heap_entries(self) -> int:
         """Heap entries no longer valid (for tests: at most the valid ones plus a slack)."""
         return len(self._heap) - self._released
+
+    def _drop_place(self, key: bytes) -> None:
+        """A released ``key`` left ``_main``: drop its place in ``_rel``, or count its heap
+        entry stale."""
+        if self._rel.pop(key, None) is None:
+            self._released -= 1
+            self._compact_if_stale()
 
     def _compact_if_stale(self) -> None:
         """Compact the heap if its stale entries outnumber the valid ones by more than the
