@@ -194,11 +194,12 @@ class RecencyOrder:
         stamp = self._clock
         last = self._last
         released = self._released
+        any_released = released or self._rel  # else no key's mark needs reading
         for key in reversed(keys):
             if key in main:
                 move_to_end(key)
-                if main[key] < 0 and rel_pop(key, None) is None:  # its heap entry goes stale
-                    released -= 1
+                if any_released and main[key] < 0 and rel_pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 stamp += 1
                 main[key] = last = stamp
             elif key in parked:
@@ -221,11 +222,12 @@ class RecencyOrder:
         moved = 0
         into_released = into._released
         released = self._released
+        into_any_released = into_released or into._rel  # else no key's mark needs reading
         for key in reversed(keys):
             # The lists are disjoint: the likeliest places first.
             if key in into_main:
                 move_to_end(key)
-                if into_main[key] < 0 and into._rel.pop(key, None) is None:
+                if into_any_released and into_main[key] < 0 and into._rel.pop(key, None) is None:
                     into_released -= 1  # released: its heap entry goes stale
             elif key in main:
                 if main.pop(key) < 0 and self._rel.pop(key, None) is None:
@@ -383,10 +385,12 @@ class RecencyOrder:
             got.append(top_key)
             stamps.append(top_stamp)
             n -= 1
-        self._released = released
         if got:
             self.size -= len(got)
             self._taken_keys += got
+        if released != self._released:  # released keys taken from _main's head
+            self._released = released
+            self._compact_if_stale()
         return got
 
     def end_search(self, undo: bool) -> None:
@@ -409,7 +413,6 @@ class RecencyOrder:
                 _heappush(heap, (stamp, key))
             self._released += len(aside)
             aside.clear()
-        self._compact_if_stale()  # for the released keys this search took
 
     def clear(self) -> None:
         self._main.clear()
