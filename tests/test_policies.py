@@ -583,7 +583,7 @@ class _CompactingMixin(PolicyMachine):
             in_heap = {(s, k) for k, s in released.items() if k not in in_rel}
             assert order._released == len(in_heap)
             assert in_heap <= set(order._heap)  # each released key keeps its place
-            assert 0 <= order.stale_heap_entries <= order._released
+            assert 0 <= order.stale_heap_entries <= order_module._STALE_FACTOR * order._released
 
 
 class LRUCompactingMachine(_CompactingMixin, LRUMachine):

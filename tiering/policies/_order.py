@@ -27,10 +27,11 @@ discard, an eviction) sees it in the value it reads and drops that place too:
 
 Stale entries. ``_released`` counts the keys with a valid heap entry (exactly one each), so the
 heap holds ``len(_heap) - _released`` stale ones (a duplicate of a valid entry counts as stale).
-A call that makes entries stale compacts the heap once they outnumber the valid ones by more
-than a slack: the compaction costs O(entries), at most about twice the stale entries made since
-the last one, so each call pays O(1) amortized for the entries it made stale, and no victim
-search pops more stale entries than there are valid ones in the heap (plus the slack).
+A call that makes entries stale compacts the heap once they outnumber three times the valid
+ones by more than a slack: the compaction costs O(entries), about 4/3 of the stale entries made
+since the last one, so each call pays O(1) amortized for the entries it made stale, and no
+victim search pops more stale entries than three times the valid ones in the heap (plus the
+slack), however many keys were pinned.
 
 Why this is exact. Stamps of the keys in their place increase along ``_main``, and a released
 key sits behind every key in its place that is older than it. So the oldest evictable key is the
@@ -43,8 +44,7 @@ changes nothing a caller can observe.
 Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) or one heap
 push; a victim is one ``popitem`` (with nothing released), O(1) from ``_rel`` or O(log n) heap
 work. Keys released out of order and then pinned or used leave stale heap entries that a victim
-search may meet; at most as many as the heap's valid entries plus the slack, however many keys
-were pinned. No call does work that grows with the number of pinned keys.
+search may meet (bounded as above). No call does work that grows with the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ from operator import itemgetter
 
 __all__ = ["RecencyOrder"]
 
-# Compact the heap once its stale entries outnumber the valid ones by more than this: small
-# heaps are not worth compacting, and every compaction then drops at least this many entries.
+# Compact the heap once its stale entries outnumber _STALE_FACTOR times the valid ones by more
+# than _STALE_SLACK: a compaction visits (1 + 1/_STALE_FACTOR) entries per stale one it drops
+# (each visit a dict probe), and small heaps are not worth compacting.
+_STALE_FACTOR = 3
 _STALE_SLACK = 64
 
 _heappop = heapq.heappop
@@ -430,7 +432,7 @@ class RecencyOrder:
 
     @property
     def stale_heap_entries(self) -> int:
-        """Heap entries no longer valid (for tests: at most the valid ones plus a slack)."""
+        """Heap entries no longer valid (for tests: at most 3x the valid ones plus a slack)."""
         return len(self._heap) - self._released
 
     def _drop_place(self, key: bytes) -> None:
@@ -441,16 +443,18 @@ class RecencyOrder:
             self._compact_if_stale()
 
     def _compact_if_stale(self) -> None:
-        """Compact the heap if its stale entries outnumber the valid ones by more than the
-        slack: the calls that made them stale pay for it, O(1) amortized each."""
-        if len(self._heap) - self._released > self._released + _STALE_SLACK:
+        """Compact the heap if its stale entries outnumber the valid ones (times the factor) by
+        more than the slack: the calls that made them stale pay for it, O(1) amortized each."""
+        if len(self._heap) - self._released > _STALE_FACTOR * self._released + _STALE_SLACK:
             self._compact_heap()
 
     def _compact_heap(self) -> None:
         """Keep one entry per released key (stale ones and duplicates go): O(entries)."""
         get = self._main.get
-        # A dict keeps one entry per key: a key pinned and released again at the same stamp
-        # has two entries, both valid.
-        valid = {k: s for s, k in self._heap if get(k) == ~s}
-        self._heap = [(s, k) for k, s in valid.items()]
-        heapq.heapify(self._heap)
+        heap = [entry for entry in self._heap if get(entry[1]) == ~entry[0]]
+        if len(heap) != self._released:
+            # Duplicates: a key pinned and released again at the same stamp has two entries,
+            # both valid. A dict keeps one per key (rare enough to pay a second pass for).
+            heap = list({entry[1]: entry for entry in heap}.values())
+        heapq.heapify(heap)
+        self._heap = heap
