@@ -731,3 +731,24 @@ def test_no_search_pays_for_places_that_other_calls_made_stale(
     assert order.take(len(order), ()) == expected
     order.end_search(undo=False)
     assert order.stale_heap_entries == 0
+
+
+def test_a_key_let_go_again_in_order_keeps_one_place() -> None:
+    """A key set aside by a search returns with a heap entry; pinned and let go again at the
+    same stamp it may be kept in stamp order while that entry is still in the heap. The entry
+    must not count: the key was taken once through it and then left behind in the other place,
+    and the next search looped for ever (found by the LRU state machine, seed 4)."""
+    order = RecencyOrder()
+    y, x = b"y", b"x"
+    order.add(y, True)
+    order.add(x, True)
+    assert order.take(1, {y}) == [x]
+    order.end_search(undo=True)  # both back, released to the heap
+    assert order.set_evictable(y, False)
+    assert order.set_evictable(y, True)
+    assert list(order) == [y, x]
+    assert order.take(1, ()) == [y]
+    order.end_search(undo=False)
+    assert order.take(2, ()) == [x]
+    order.end_search(undo=False)
+    assert len(order) == 0

@@ -23,7 +23,9 @@ discard, an eviction) sees it in the value it reads and drops that place too:
   write-through hold lets keys go in the order they were stored: the usual case). It stays in
   stamp order, and a key leaves it at once (O(1)) when it leaves ``_main``;
 - ``_heap``: a min-heap of ``(stamp, key)`` of the other released keys. An entry is valid while
-  ``_main`` maps its key to ``~stamp``; the others are stale, left for a victim search to pop.
+  ``_main`` maps its key to ``~stamp`` and the key is not in ``_rel`` (a key pinned and let go
+  again at the same stamp may go to ``_rel`` while its old entry is still in the heap); the
+  others are stale, left for a victim search to pop.
 
 Stale entries. ``_released`` counts the keys with a valid heap entry (exactly one each), so the
 heap holds ``len(_heap) - _released`` stale ones (a duplicate of a valid entry counts as stale).
@@ -344,7 +346,7 @@ class RecencyOrder:
             # The oldest released key, if any: _rel's head or the heap's valid top.
             while heap:
                 top_stamp, top_key = heap[0]
-                if get(top_key) == ~top_stamp:
+                if get(top_key) == ~top_stamp and top_key not in rel:
                     break
                 _heappop(heap)  # stale: used, pinned or taken since it was pushed
             else:
@@ -450,8 +452,8 @@ class RecencyOrder:
 
     def _compact_heap(self) -> None:
         """Keep one entry per released key (stale ones and duplicates go): O(entries)."""
-        get = self._main.get
-        heap = [entry for entry in self._heap if get(entry[1]) == ~entry[0]]
+        get, rel = self._main.get, self._rel
+        heap = [e for e in self._heap if get(e[1]) == ~e[0] and e[1] not in rel]
         if len(heap) != self._released:
             # Duplicates: a key pinned and released again at the same stamp has two entries,
             # both valid. A dict keeps one per key (rare enough to pay a second pass for).
