@@ -57,6 +57,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -447,8 +448,8 @@ def print_table(results: list[dict[str, object]]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        lo, hi = r["raw_gbs_iqr"]  # type: ignore[misc]
-        q1, median, q3 = r["ratio"]  # type: ignore[misc]
+        lo, hi = cast("tuple[float, float]", r["raw_gbs_iqr"])
+        q1, median, q3 = cast("tuple[float, float, float]", r["ratio"])
         target = r["target"]
         met = {None: "-", True: "yes", False: "**no**"}[r["met"]]  # type: ignore[index]
         print(
