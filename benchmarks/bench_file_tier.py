@@ -31,12 +31,16 @@ Phases, each timed per path, the paths' order rotated from one rep to the next:
   per file; ``/proc/sys/vm/drop_caches`` would drop every other process's cache on a shared
   machine). The run checks with ``mincore`` that no page of the files stayed resident and
   prints what it found. Bytes read are compared with the source after each pass (untimed).
-- ``O_DIRECT write`` and ``O_DIRECT cold read``: files opened with ``O_DIRECT``.
+- ``O_DIRECT write`` and ``O_DIRECT cold read``: files opened with ``O_DIRECT``. The target is
+  for page-aligned rows, as raw uses and as ``CPUBlockPool`` allocates; the torch pool's row
+  shows the bounce-buffer path.
 
 Figures: GB/s = median over ``--reps`` reps (after one untimed warm-up rep), with the
 interquartile range of raw's own GB/s (the machine's variance). A ratio is the median over reps
-of raw time / FileBackend time, each pair measured within the same rep (q1-q3 after it). On a
-shared 2-vCPU VM with a virtio disk, compare only figures from one run.
+of raw time / FileBackend time, each pair measured within the same rep (q1-q3 after it); targets
+are judged on it. "best / best" is raw's fastest pass over the backend's fastest: other tenants
+of a shared disk and CPUs only ever slow a pass down. On a shared 2-vCPU VM with a virtio disk,
+compare only figures from one run.
 
 Usage: python benchmarks/bench_file_tier.py [--quick] [--dir DIR] [--reps N]
 """
@@ -420,7 +424,9 @@ def summarize(case: Case) -> list[dict[str, object]]:
             ours_s = case.times[phase, ours_name]
             per_file_s = case.times[phase, PER_FILE]
             q1, ratio, q3 = ratio_quartiles(raw_s, ours_s)
-            target = TARGETS[phase]
+            # O_DIRECT from a 64-byte-aligned torch pool goes through the bounce buffer: shown,
+            # but the target is for page-aligned rows (what CPUBlockPool allocates) as raw uses.
+            target = None if phase in DIRECT_PHASES and ours_name == OURS else TARGETS[phase]
             out.append(
                 {
                     "block_kib": case.block_bytes // KiB,
@@ -431,6 +437,7 @@ def summarize(case: Case) -> list[dict[str, object]]:
                     "per_file_gbs": total_bytes / statistics.median(per_file_s) / 1e9,
                     "ours_gbs": total_bytes / statistics.median(ours_s) / 1e9,
                     "ratio": (q1, ratio, q3),
+                    "best_ratio": min(raw_s) / min(ours_s),
                     "vs_per_file": statistics.median(
                         p / t for p, t in zip(per_file_s, ours_s, strict=True)
                     ),
@@ -444,9 +451,10 @@ def summarize(case: Case) -> list[dict[str, object]]:
 def print_table(results: list[dict[str, object]]) -> None:
     print(
         "| block | phase | raw GB/s (IQR) | one file per block GB/s | FileBackend path "
-        "| GB/s | x raw, median (q1-q3) | target | met | x one file per block |"
+        "| GB/s | x raw, median (q1-q3) | x raw, best / best | target | met "
+        "| x one file per block |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         lo, hi = cast("tuple[float, float]", r["raw_gbs_iqr"])
         q1, median, q3 = cast("tuple[float, float, float]", r["ratio"])
@@ -455,7 +463,7 @@ def print_table(results: list[dict[str, object]]) -> None:
         print(
             f"| {r['block_kib']} KiB | {r['phase']} | {r['raw_gbs']:.2f} ({lo:.2f}-{hi:.2f}) "
             f"| {r['per_file_gbs']:.2f} | {r['path']} | {r['ours_gbs']:.2f} "
-            f"| {median:.2f} ({q1:.2f}-{q3:.2f}) "
+            f"| {median:.2f} ({q1:.2f}-{q3:.2f}) | {r['best_ratio']:.2f} "
             f"| {'-' if target is None else f'>= {target}'} | {met} "
             f"| {r['vs_per_file']:.2f} |"
         )
@@ -477,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     torch.set_num_threads(1)
     gc.collect()
     gc.freeze()  # as engines do after startup: see docs/benchmarks.md
-    reps = args.reps or (3 if args.quick else 7)
+    reps = args.reps or (3 if args.quick else 9)
     # (block bytes, blocks): 256 MiB a pass; --quick moves 32 MiB.
     cases = [(256 * KiB, 128), (2 * MiB, 16)] if args.quick else [(256 * KiB, 1024), (2 * MiB, 128)]
     results: list[dict[str, object]] = []
@@ -493,7 +501,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     print(
         f"{reps} reps after a warm-up rep; GB/s: medians; x raw: median over reps of raw time / "
-        "FileBackend time, pairs from the same rep, then their q1-q3. Dirty-page limits: "
+        "FileBackend time, pairs from the same rep, then their q1-q3 ('met' is judged on this "
+        "median); best / best: raw's fastest rep over ours (other tenants of the disk and the "
+        "CPUs only ever slow a pass down). O_DIRECT targets are for page-aligned rows (as "
+        "CPUBlockPool allocates; raw uses them too); a torch pool is bounced. Dirty-page limits: "
         f"vm.dirty_background_ratio={_vm_setting('dirty_background_ratio')}, "
         f"vm.dirty_ratio={_vm_setting('dirty_ratio')} (% of RAM), 256 MiB written a pass. "
         "Cold reads: posix_fadvise(DONTNEED) after fsync, per file; bytes still resident "
