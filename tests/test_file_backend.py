@@ -986,25 +986,34 @@ async def test_a_durable_put_starts_the_writeback_of_each_run_it_wrote(tmp_path:
 
 
 class ReadOrderOps(FileOps):
-    """Records where each preadv starts; the first one waits a little for a second to begin."""
+    """Records where each preadv starts and how many ran at once; once armed, the first one
+    waits a little for another to start beside it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.offsets: list[int] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
         self.another_started = threading.Event()
         self.armed = False
 
     def preadv(self, fd: int, buffers: Any, offset: int) -> int:
         with self.lock:
             self.offsets.append(offset)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
             first = self.armed and len(self.offsets) == 1
-            if self.armed and len(self.offsets) > 1:
+            if self.in_flight > 1:
                 self.another_started.set()
-        if first:
-            # With reads in order no other preadv starts meanwhile: this wait then runs out
-            # (a busy machine can only make it miss a bug, never fail a correct backend).
-            self.another_started.wait(0.5)
-        return super().preadv(fd, buffers, offset)
+        try:
+            if first:
+                # With reads in order no other preadv starts meanwhile: this wait runs out
+                # (a busy machine can only make it miss a bug, never fail a correct backend).
+                self.another_started.wait(0.5)
+            return super().preadv(fd, buffers, offset)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
 
 
 @pytest.mark.asyncio
@@ -1019,8 +1028,10 @@ async def test_a_buffered_get_reads_its_chunks_in_file_order_on_every_lane(
     async with new_backend(tmp_path, **options) as backend:
         assert await backend.put(keys, views([payload(i) for i in range(8)])) == [OK] * 8
         ops.armed = True
+        ops.most_in_flight = 0
         assert await read(backend, keys[::-1]) == ([OK] * 8, [payload(i) for i in range(8)][::-1])
     assert ops.offsets == [slot * SLOT for slot in range(8)]
+    assert ops.most_in_flight == 1
 
 
 @pytest.mark.asyncio
