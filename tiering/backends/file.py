@@ -33,9 +33,13 @@ Reads
     ``get`` reads each run of neighbouring slots with one ``os.preadv`` (header areas into
     small buffers, payloads straight into the caller's buffers) and verifies header, stamp,
     key, fingerprint and payload checksum on the caller's bytes. A buffered get reads in chunks
-    of at most 8 MiB on one lane, in slot order, so readahead keeps working (O_DIRECT gets take
-    ``batch_blocks`` slots per chunk on every lane: bigger calls, deeper device queue). A
-    failed call is retried slot by slot, as for writes. A slot being read
+    of at most 8 MiB, in slot order: its lanes take the chunks in turn and each chunk's reads
+    start only when the previous chunk's have ended (:class:`tiering.backends.lanes.InOrder`),
+    so the kernel sees one sequential stream and its readahead keeps working, while a lane
+    checksums the chunk it has just read (its bytes still in the CPU cache) as the next lane
+    reads. O_DIRECT gets take ``batch_blocks`` slots per chunk on every lane, side by side
+    (bigger calls, deeper device queue), each run verified right after its read. A failed call
+    is retried slot by slot, as for writes. A slot being read
     is pinned: it is not invalidated or reused until the read finishes, so a concurrent put or
     delete of the same key never tears a read. A block that does not verify is counted,
     dropped from the index, its header zeroed on disk, and reported ``CORRUPT``. A read error
@@ -47,13 +51,18 @@ O_DIRECT
     per-thread bounce buffer (``mmap``), which costs one extra memcpy per block (~0.1 ms per
     MiB here) and is counted in ``stats.extra["o_direct_bounces"]``. Note that torch's CPU
     allocator aligns tensors to 64 bytes only: a pool meant for O_DIRECT should be carved out
-    at a 4096-byte boundary. Whether O_DIRECT pays is a property of the machine: see
+    at a 4096-byte boundary (:class:`tiering.pool.CPUBlockPool` rows are). A run of
+    neighbouring bounced slots moves with one call through up to 8 MiB of bounce area per
+    thread. Whether O_DIRECT pays is a property of the machine: see
     ``benchmarks/bench_file_tier.py``.
 
 Durability
     ``durability="none"`` acknowledges a put once its bytes are in the page cache (they survive
     a process crash, not a power loss); ``"fsync"`` runs one ``fdatasync`` after all the put's
-    writes and acknowledges only after it succeeds. An fsync error is fatal for the keys it covers
+    writes and acknowledges only after it succeeds. Meanwhile each run's writeback is started
+    as soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, a hint that waits for
+    nothing and promises nothing), so the device works while later runs are checksummed and
+    copied and the ``fdatasync`` has less left to wait for. An fsync error is fatal for the keys it covers
     (the kernel may have dropped their pages; a retried fsync could falsely succeed): they are
     ``FAILED`` and never visible. Because one file descriptor is shared, a failed fsync in
     one put also fails every put whose writes overlapped it. ``close`` always flushes.
@@ -393,9 +402,10 @@ class FileBackend(StorageBackend):
         Threads of the backend's own pool; all blocking I/O runs there. A put spreads its
         chunks over all of them: checksumming and copying into the page cache are CPU work,
         and two threads write at ~0.95x of raw ``pwritev`` here where one reaches ~0.85x. A
-        buffered get reads on one thread (one sequential stream keeps the kernel's readahead:
-        two streams side by side fell to ~0.7x of raw ``preadv``); concurrent gets and puts
-        use the other threads. An ``O_DIRECT`` get uses all of them.
+        buffered get's threads read its chunks one after the other, in order (one sequential
+        stream keeps the kernel's readahead: two streams side by side fell to ~0.7x of raw
+        ``preadv``), each checksumming what it read while the next reads. An ``O_DIRECT``
+        get's threads read side by side.
     batch_blocks:
         Slots per chunk: neighbouring slots of a chunk move with one ``pwritev``/``preadv``.
         With ``durability="fsync"`` a put ends with one fdatasync, after all its writes.
