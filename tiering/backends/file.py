@@ -62,8 +62,9 @@ Durability
     writes and acknowledges only after it succeeds. Meanwhile each run's writeback is started
     as soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, a hint that waits for
     nothing and promises nothing), so the device works while later runs are checksummed and
-    copied and the ``fdatasync`` has less left to wait for. An fsync error is fatal for the keys it covers
-    (the kernel may have dropped their pages; a retried fsync could falsely succeed): they are
+    copied and the ``fdatasync`` has less left to wait for. An fsync error is fatal for the
+    keys it covers (the kernel may have dropped their pages; a retried fsync could falsely
+    succeed): they are
     ``FAILED`` and never visible. Because one file descriptor is shared, a failed fsync in
     one put also fails every put whose writes overlapped it. ``close`` always flushes.
 
