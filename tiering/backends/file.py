@@ -64,9 +64,9 @@ Durability
     nothing and promises nothing), so the device works while later runs are checksummed and
     copied and the ``fdatasync`` has less left to wait for. An fsync error is fatal for the
     keys it covers (the kernel may have dropped their pages; a retried fsync could falsely
-    succeed): they are
-    ``FAILED`` and never visible. Because one file descriptor is shared, a failed fsync in
-    one put also fails every put whose writes overlapped it. ``close`` always flushes.
+    succeed): they are ``FAILED`` and never visible. Because one file descriptor is shared, a
+    failed fsync in one put also fails every put whose writes overlapped it. ``close`` always
+    flushes.
 
 Concurrency and cancellation
     The index and the free list live on the event loop; threads only move bytes. Two puts of
