@@ -1020,7 +1020,7 @@ class ReadOrderOps(FileOps):
 async def test_a_buffered_get_reads_its_chunks_in_file_order_on_every_lane(
     tmp_path: Path,
 ) -> None:
-    """Both lanes take a buffered get's chunks, but the reads reach the kernel one after the
+    """With two I/O threads, a buffered get's reads still reach the kernel one after the
     other, in slot order: one sequential stream, which the kernel's readahead follows."""
     ops = ReadOrderOps()
     keys = make_keys(8)

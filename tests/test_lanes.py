@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tiering.backends.lanes import InOrder, LaneStep, run_in_lanes
+from tiering.backends.lanes import LaneStep, run_in_lanes
 
 # Waits for something that happens at once: only a hang (a bug) reaches this bound.
 HANG_GUARD_S = 300
@@ -219,38 +219,3 @@ async def test_a_queued_lane_keeps_no_reference_to_what_the_call_used() -> None:
     assert alive() is None
     executor.run_held()
     assert touched == list(range(8))  # the late lanes found nothing to do
-
-
-def test_in_order_sections_run_in_item_order(executor: ThreadPoolExecutor) -> None:
-    """Item 1's section waits for item 0's even when item 1's lane gets there first."""
-    order = InOrder()
-    entered: list[int] = []
-    item1_waiting = threading.Event()
-
-    def item(index: int) -> None:
-        if index == 1:
-            item1_waiting.set()
-        else:
-            assert item1_waiting.wait(HANG_GUARD_S)  # item 1 reached its turn first
-        with order.turn(index):
-            entered.append(index)
-
-    futures = [executor.submit(item, index) for index in (1, 0)]
-    for future in futures:
-        future.result(timeout=HANG_GUARD_S)
-    assert entered == [0, 1]
-
-
-def test_in_order_passes_the_turn_on_when_a_section_raises(executor: ThreadPoolExecutor) -> None:
-    order = InOrder()
-
-    def item(index: int) -> int:
-        with order.turn(index):
-            if index == 0:
-                raise OSError("injected")
-        return index
-
-    first, second = executor.submit(item, 0), executor.submit(item, 1)
-    with pytest.raises(OSError, match="injected"):
-        first.result(timeout=HANG_GUARD_S)
-    assert second.result(timeout=HANG_GUARD_S) == 1

@@ -32,13 +32,11 @@ Writes
 Reads
     ``get`` reads each run of neighbouring slots with one ``os.preadv`` (header areas into
     small buffers, payloads straight into the caller's buffers) and verifies header, stamp,
-    key, fingerprint and payload checksum on the caller's bytes. A buffered get reads in chunks
-    of at most 8 MiB, in slot order: its lanes take the chunks in turn and each chunk's reads
-    start only when the previous chunk's have ended (:class:`tiering.backends.lanes.InOrder`),
-    so the kernel sees one sequential stream and its readahead keeps working, while a lane
-    checksums the chunk it has just read (its bytes still in the CPU cache) as the next lane
-    reads. O_DIRECT gets take ``batch_blocks`` slots per chunk on every lane, side by side
-    (bigger calls, deeper device queue), each run verified right after its read. A failed call
+    key, fingerprint and payload checksum on the caller's bytes, right after each run's read
+    (the bytes are still in the CPU cache). A buffered get reads in chunks of at most 8 MiB on
+    one lane, in slot order, so the kernel's readahead keeps the device busy while the lane
+    checksums (O_DIRECT gets take ``batch_blocks`` slots per chunk on every lane: bigger
+    calls, deeper device queue). A failed call
     is retried slot by slot, as for writes. A slot being read
     is pinned: it is not invalidated or reused until the read finishes, so a concurrent put or
     delete of the same key never tears a read. A block that does not verify is counted,
@@ -116,7 +114,6 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import functools
 import heapq
 import json
 import logging
@@ -152,7 +149,7 @@ from tiering.backends.block_format import (
     unpack_header,
     verify_block,
 )
-from tiering.backends.lanes import InOrder, run_in_lanes
+from tiering.backends.lanes import run_in_lanes
 from tiering.backends.ownership import (
     LayoutMismatchError,
     LayoutRecord,
@@ -403,10 +400,10 @@ class FileBackend(StorageBackend):
         Threads of the backend's own pool; all blocking I/O runs there. A put spreads its
         chunks over all of them: checksumming and copying into the page cache are CPU work,
         and two threads write at ~0.95x of raw ``pwritev`` here where one reaches ~0.85x. A
-        buffered get's threads read its chunks one after the other, in order (one sequential
-        stream keeps the kernel's readahead: two streams side by side fell to ~0.7x of raw
-        ``preadv``), each checksumming what it read while the next reads. An ``O_DIRECT``
-        get's threads read side by side.
+        buffered get reads on one thread (one sequential stream keeps the kernel's readahead:
+        two streams side by side fell to ~0.7x of raw ``preadv``, and two threads taking turns
+        on one stream to ~0.4-0.8x on this loaded VM); concurrent gets and puts use the other
+        threads. An ``O_DIRECT`` get uses all of them.
     batch_blocks:
         Slots per chunk: neighbouring slots of a chunk move with one ``pwritev``/``preadv``.
         With ``durability="fsync"`` a put ends with one fdatasync, after all its writes.
@@ -512,12 +509,12 @@ class FileBackend(StorageBackend):
             if o_direct
             else max(1, min(batch_blocks, _READ_TASK_BYTES // self.slot_bytes))
         )
-        # A buffered get is one sequential stream: its lanes read one chunk after the other,
-        # in order (a second stream beside it defeats the kernel's readahead: cold reads fell
-        # from ~0.95x to ~0.7x of raw preadv), and each checksums its chunk while the next
-        # lane reads. O_DIRECT has no readahead: its lanes read side by side, which keeps
-        # the device busier (~0.97x vs ~0.9x measured).
-        self._read_lanes = io_threads
+        # A buffered get is one sequential stream: a second stream beside it defeats the
+        # kernel's readahead (cold reads fell from ~0.95x to ~0.7x of raw preadv), and two
+        # lanes taking turns on one stream lost more to thread wake-ups than the checksums
+        # they overlapped (0.38x at 256 KiB under load). O_DIRECT has no readahead, and two
+        # streams keep the device busier (~0.97x vs ~0.9x measured).
+        self._read_lanes = io_threads if o_direct else 1
         # A put checksums a chunk, then copies it: chunks small enough to stay in the cache
         # between the two passes read memory once (2 MiB blocks in chunks of 16 fell to ~0.8x).
         self._write_chunk_slots = max(1, min(batch_blocks, _WRITE_CHUNK_BYTES // self.slot_bytes))
@@ -1161,12 +1158,9 @@ class FileBackend(StorageBackend):
         self.stats.extra["o_direct_bounces"] += sum(job.bounce for job in jobs)
         with self._operation():
             try:
-                if self.o_direct:
-                    read: Callable[[int, list[_Job]], list[BaseException | None]]
-                    read = self._read_jobs
-                else:
-                    read = functools.partial(self._read_jobs_in_order, InOrder())
-                errors = await self._run_jobs(read, jobs, self._read_task_slots, self._read_lanes)
+                errors = await self._run_jobs(
+                    self._read_jobs, jobs, self._read_task_slots, self._read_lanes
+                )
             except asyncio.CancelledError:
                 self._unpin(jobs)
                 raise
@@ -1362,26 +1356,12 @@ class FileBackend(StorageBackend):
 
     def _read_jobs(self, index: int, jobs: list[_Job]) -> list[BaseException | None]:
         """Read and verify a chunk, each run verified right after its read (bytes in cache)."""
-        del index  # O_DIRECT: the lanes read side by side, in any order
+        del index  # lanes read side by side (O_DIRECT) or there is one (buffered)
         scratch = self._scratch()
         errors: list[BaseException | None] = []
         for run in self._runs(jobs):
             errors += self._verified(run, self._read_run(run, scratch))
         return errors
-
-    def _read_jobs_in_order(
-        self, order: InOrder, index: int, jobs: list[_Job]
-    ) -> list[BaseException | None]:
-        """A buffered get's chunk: its reads wait for the previous chunk's, so the kernel sees
-        one sequential stream (its readahead keeps the device busy, as for one thread); the
-        checksums run after this lane hands the turn on, while the next chunk's reads run on
-        another lane, over bytes read a moment ago (still in the CPU cache)."""
-        with order.turn(index):
-            scratch = self._scratch()
-            reads: list[BaseException | bytes] = []
-            for run in self._runs(jobs):
-                reads += self._read_run(run, scratch)
-        return self._verified(jobs, reads)
 
     def _read_run(self, run: list[_Job], scratch: _Scratch) -> list[BaseException | bytes]:
         """Read a run of slots into the jobs' buffers; per slot, a copy of its header and stamp

@@ -19,10 +19,6 @@ for the items already running (they may write into the caller's buffers) before
 ``CancelledError`` propagates. An exception from ``open_lane`` or ``step`` stops the other
 lanes before their next item and is re-raised on the event loop; a backend reports the
 expected failures of single blocks (an I/O error) as results instead.
-
-``InOrder`` lets the lanes of one call run one part of each item in item order (a buffered
-file read: one sequential stream for the kernel's readahead) and the rest side by side (the
-checksum of what was just read, while the next lane reads).
 """
 
 from __future__ import annotations
@@ -30,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from typing import Generic, TypeVar
 
-__all__ = ["InOrder", "LaneStep", "run_in_lanes"]
+__all__ = ["LaneStep", "run_in_lanes"]
 
 _R = TypeVar("_R")
 
@@ -60,33 +56,6 @@ async def run_in_lanes(
     for _ in range(min(lanes, n_items)):
         executor.submit(batch.run_lane)
     return await batch.wait()
-
-
-class InOrder:
-    """Sections that run one at a time, in item order: ``with order.turn(index): ...``.
-
-    Item ``index``'s section starts once item ``index - 1``'s has ended. Lanes take items in
-    order and run the item they took at once, so every earlier item is already running on some
-    lane: a lane waiting for its turn never waits on a lane that waits for it. ``turn`` must be
-    the first thing a step does (an item that raised before its section would stall the items
-    after it); the section ends, and the next begins, even if it raises.
-    """
-
-    def __init__(self) -> None:
-        self._next = 0  # the item whose section runs next
-        self._changed = threading.Condition(threading.Lock())
-
-    @contextlib.contextmanager
-    def turn(self, index: int) -> Iterator[None]:
-        with self._changed:
-            while self._next != index:
-                self._changed.wait()
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._next = index + 1
-                self._changed.notify_all()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
