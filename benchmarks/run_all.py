@@ -84,6 +84,16 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "bench_vs_vllm",
+        "Both managers against vLLM 0.33's own, per operation, 1e3 to 1e6 blocks",
+        "CPUOffloadingManager and TieringOffloadingManager (with a file tier) against vLLM "
+        "0.33's CPUOffloadingManager from the real vllm package, LRU and ARC, same keys and "
+        "calls in one process, order rotated; ratio tiering / vLLM (targets: store with "
+        "eviction 0.7 or less; lookup hit and miss, load and touch 1.0 or less; eviction past "
+        "a pinned oldest half 100x faster, first call included).",
+        (),
+    ),
+    (
         "bench_eviction",
         "Eviction with pinned heads at 1e5 blocks",
         "Microseconds per victim when the oldest half of 100,000 blocks is pinned, against a "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -206,6 +207,155 @@ def test_unexpected_errors_are_one_line_unless_debug(
     )
     with pytest.raises(RuntimeError, match="no one planned"):
         cli.main(["--debug", "config", "check", config])
+
+
+def test_config_check_json_gives_each_check_and_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small_primary = GOOD_CONFIG.replace("capacity: 64KiB", "capacity: 4MiB")  # a ConfigWarning
+    config = write_config(tmp_path, small_primary)
+    status, out, err = run(["config", "check", "--json", str(config)], capsys)
+    assert status == 0, err
+    document = json.loads(out)
+    assert set(document) == {
+        "json_version", "command", "config", "exit_code", "counts", "checks", "model", "tiers"
+    }  # fmt: skip
+    assert (document["json_version"], document["command"]) == (1, "config check")
+    assert (document["config"], document["exit_code"]) == (str(config), 0)
+    checks = document["checks"]
+    assert [(c["name"], c["status"], c["tier"]) for c in checks] == [
+        ("config", "WARN", None),  # each tier is smaller than the primary
+        ("config", "WARN", None),
+        ("tier nvme directory", "OK", "nvme"),
+        ("tier db directory", "OK", "db"),
+    ]
+    assert "'nvme'" in checks[0]["message"] and "smaller than the primary" in checks[0]["message"]
+    assert "'db'" in checks[1]["message"]
+    assert document["counts"] == {"OK": 2, "WARN": 2, "FAIL": 0}
+    assert document["model"] == {
+        "shape": "tiny", "world_size": 1, "block_size_factor": 1, "block_bytes": 4096
+    }  # fmt: skip
+    tiers = {tier["name"]: tier for tier in document["tiers"]}
+    assert tiers["primary"] == {
+        "name": "primary", "type": "cpu", "capacity_bytes": 4 << 20, "capacity_blocks": 1024,
+        "policy": "lru", "write_policy": None, "path": None,
+    }  # fmt: skip
+    assert tiers["nvme"]["capacity_blocks"] == 128
+    assert tiers["nvme"]["path"] == str(tmp_path / "nvme")
+    assert tiers["db"]["write_policy"] == "write_through"
+    assert out == json.dumps(document, indent=2, sort_keys=True) + "\n"
+    assert not (tmp_path / "nvme").exists()  # checking creates nothing
+
+
+def test_config_check_json_of_a_bad_config_exits_2_with_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, key_path, fragment = BAD_CONFIGS["unknown-key"]
+    config = write_config(tmp_path, text)
+    status, out, err = run(["config", "check", "--json", str(config)], capsys)
+    assert status == 2
+    document = json.loads(out)
+    assert document["exit_code"] == 2 and document["counts"] == {"OK": 0, "WARN": 0, "FAIL": 1}
+    ((check),) = document["checks"]
+    assert (check["name"], check["status"]) == ("config", "FAIL")
+    assert key_path in check["message"] and fragment in check["message"]
+    assert (document["model"], document["tiers"]) == (None, [])
+    assert len(err.strip().splitlines()) == 1 and key_path in err  # stderr as without --json
+
+
+def test_doctor_json_has_the_texts_checks_and_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = GOOD_CONFIG.replace("capacity: 1MiB\n  - name: db", "capacity: 1000TiB\n  - name: db")
+    config = str(write_config(tmp_path, huge))
+    status, out, _err = run(["doctor", "--config", config], capsys)
+    text = doctor_lines(out)
+    json_status, out, _err = run(["doctor", "--config", config, "--json"], capsys)
+    assert status == json_status == 1
+    document = json.loads(out)
+    assert (document["command"], document["config"], document["exit_code"]) == (
+        "doctor", config, 1
+    )  # fmt: skip
+    checks = {c["name"]: c for c in document["checks"]}
+    assert {name: c["status"] for name, c in checks.items()} == {
+        name: verdict for name, (verdict, _detail) in text.items()
+    }
+    assert checks["tier nvme space"]["status"] == "FAIL"
+    assert "capacity 1000 TiB" in checks["tier nvme space"]["message"]
+    assert checks["tier nvme space"]["tier"] == "nvme" and checks["torch"]["tier"] is None
+    assert checks["torch"]["message"] == torch.__version__
+    assert document["counts"]["FAIL"] == sum(c["status"] == "FAIL" for c in checks.values())
+
+
+def test_doctor_json_without_config(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _err = run(["doctor", "--json"], capsys)
+    document = json.loads(out)
+    assert status == document["exit_code"] == 0 and document["config"] is None
+    assert "O_DIRECT (temp dir)" in {c["name"] for c in document["checks"]}
+
+
+# -- exit codes and logging ----------------------------------------------------------------------
+
+
+def test_help_and_docs_list_every_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _err = run(["--help"], capsys)
+    assert status == 0
+    epilog = out[out.index("exit status:") :]
+    listed = [int(line.split()[0]) for line in epilog.splitlines()[1:] if line[2:3].isdigit()]
+    assert listed == [code for code, _ in cli.EXIT_CODES] == [0, 1, 2, 3, 130]
+    docs = (REPO_ROOT / "docs" / "cli.md").read_text()
+    table = docs[docs.index("## Exit status") :].split("\n## ")[0]
+    rows = [line.split("|")[1].strip(" `") for line in table.splitlines() if line.startswith("| `")]
+    assert rows == [str(code) for code, _ in cli.EXIT_CODES]
+
+
+def corrupt_file_tier(tmp_path: Path) -> Path:
+    config = write_config(tmp_path, GOOD_CONFIG)
+    populate(config, 3)
+    flip_payload_byte(tmp_path / "nvme" / SLOTS_NAME, slot=0, block_bytes=4096)
+    return config
+
+
+def tiering_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tiering.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+
+
+def test_log_level_sends_tierings_records_to_stderr(tmp_path: Path) -> None:
+    config = str(corrupt_file_tier(tmp_path))
+    inspect = ["inspect", "--config", config, "--tier", "nvme", "--json"]
+    # The file backend logs the corrupt block it read (a WARNING) through the CLI's handler.
+    default = tiering_cli(*inspect)
+    assert default.returncode == 1, default.stderr
+    (line,) = [line for line in default.stderr.splitlines() if "corrupt block" in line]
+    assert line.startswith("tiering: WARNING: tiering.backends.file: file backend ")
+    quiet = tiering_cli("--log-level", "ERROR", *inspect)
+    assert quiet.returncode == 1 and quiet.stderr == ""
+    assert json.loads(quiet.stdout)["corrupt"] == json.loads(default.stdout)["corrupt"] == 1
+
+
+def test_a_bad_log_level_is_a_usage_error_naming_the_levels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, err = run(["--log-level", "loud", "doctor"], capsys)
+    assert status == 2 and out == ""
+    assert "--log-level: invalid level 'loud': give one of debug, info, warning, error, " in err
+    assert "critical" in err
+
+
+def test_main_leaves_the_tiering_logger_as_it_found_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logger = logging.getLogger("tiering")
+    before = (logger.level, logger.propagate, list(logger.handlers))
+    config = str(write_config(tmp_path, GOOD_CONFIG))
+    assert run(["--log-level", "debug", "config", "check", config], capsys)[0] == 0
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before
 
 
 # -- config schema -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ processes, and docs/metrics.md listing exactly the catalogue."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiering.config import build_manager, parse_config
 from tiering.errors import ConfigurationError
 from tiering.keys import OffloadKey, make_offload_key
+from tiering.latency import LATENCY_BUCKETS_S, LatencyRecord
 from tiering.observability.metrics import CATALOGUE
 from tiering.observability.prometheus import (
     MultiprocessExporter,
@@ -25,6 +27,7 @@ from tiering.observability.prometheus import (
     multiprocess_registry,
     start_metrics_server,
 )
+from tiering.protocol import HIT
 from tiering.tiering_manager import TieringOffloadingManager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +112,65 @@ def test_a_scrape_over_http_sees_each_tiers_activity(manager: TieringOffloadingM
     assert value(values, "tiering_job_latency_seconds_count", op="load", **ram) == 1
 
 
+def scrape(manager: TieringOffloadingManager) -> Values:
+    registry = CollectorRegistry()
+    registry.register(TieringCollector(manager))
+    return parse(generate_latest(registry).decode())
+
+
+def test_the_primary_tiers_lookups_stores_loads_and_evictions_are_scraped(
+    manager: TieringOffloadingManager,
+) -> None:
+    k0, k1, k5, absent = key(0), key(1), key(5), key(9)
+    store(manager, 0, 1)  # the 2-block CPU tier is full
+    assert (manager.lookup(k0), manager.lookup_result(k1)) == (True, HIT)  # 2 hits
+    assert manager.lookup(absent) is False  # a miss (and no tier has it)
+    assert manager.lookup_prefix([k0, k1, absent]) == 2  # 2 hits, 1 miss
+    load = manager.prepare_load([k0])
+    manager.complete_load([k0])
+    out = manager.prepare_store([k5])  # evicts k1 (k0 was used since)
+    assert out is not None and out.keys_to_store == [k5] and load.block_ids.size == 1
+    assert manager.lookup(k5) is None  # being written: pending
+    manager.complete_store([k5])
+    manager.wait_idle()
+    values = scrape(manager)
+    cpu = {"tier": "primary", "medium": "CPU"}
+    assert value(values, "tiering_lookups_total", **cpu) == 7
+    assert value(values, "tiering_lookup_hits_total", **cpu) == 4
+    assert value(values, "tiering_lookup_misses_total", **cpu) == 2  # 7 - 4 - 2: one pending
+    assert value(values, "tiering_stored_blocks_total", **cpu) == 3
+    assert value(values, "tiering_written_bytes_total", **cpu) == 3 * 4096
+    assert value(values, "tiering_loaded_blocks_total", **cpu) == 1
+    assert value(values, "tiering_read_bytes_total", **cpu) == 4096
+    assert value(values, "tiering_evicted_blocks_total", **cpu) == 1
+    assert value(values, "tiering_stores_below_threshold_total", **cpu) == 0
+    assert value(values, "tiering_failures_total", kind="store", **cpu) == 0
+    primary = manager.metrics()["primary"]
+    assert (primary["lookups"], primary["lookup_pending"], primary["loaded_blocks"]) == (7, 1, 1)
+    # The secondary tier was asked only about the primary's misses: it held none of them.
+    assert value(values, "tiering_lookup_hits_total", tier="ram", medium="RAM") == 0
+
+
+def test_a_tiers_latencies_take_fixed_memory_and_the_histogram_stays_exact(
+    manager: TieringOffloadingManager,
+) -> None:
+    tier = manager.tiers[0]
+    tier.metrics.store_latency_s = LatencyRecord(reservoir_size=4)
+    store(manager, *range(10))  # ten write-through jobs
+    record = tier.metrics.store_latency_s
+    assert record.count == 10 and len(record.samples()) == 4
+    values = scrape(manager)
+    labels = {"tier": "ram", "medium": "RAM", "op": "store"}
+    assert value(values, "tiering_job_latency_seconds_count", **labels) == 10
+    assert value(values, "tiering_job_latency_seconds_sum", **labels) == record.total_s
+    running = 0
+    for bound, count in zip(LATENCY_BUCKETS_S, record.bucket_counts, strict=False):
+        running += count
+        bucket = value(values, "tiering_job_latency_seconds_bucket", le=repr(bound), **labels)
+        assert bucket == running
+    assert value(values, "tiering_job_latency_seconds_bucket", le="+Inf", **labels) == 10
+
+
 def test_latency_samples_are_counted_once_across_scrapes(
     manager: TieringOffloadingManager,
 ) -> None:
@@ -127,12 +189,29 @@ def test_processes_add_up_in_multiprocess_mode(tmp_path: Path) -> None:
     directory = tmp_path / "prometheus"
     directory.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    records = []  # each process's own store latency record: buckets and total
     for num_blocks in (3, 5):
-        subprocess.run([sys.executable, str(WORKER), str(num_blocks)], env=env, check=True)
+        done = subprocess.run(
+            [sys.executable, str(WORKER), str(num_blocks)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        records.append(json.loads(done.stdout))
     values = parse(generate_latest(multiprocess_registry(str(directory))).decode())
     ram = {"tier": "ram", "medium": "RAM"}
     assert value(values, "tiering_stored_blocks_total", **ram) == 8
     assert value(values, "tiering_job_latency_seconds_count", op="store", **ram) == 8
+    # The exported histogram is the sum of the processes' records, bucket by bucket.
+    store_jobs = {"op": "store", **ram}
+    total_s = sum(r["total_s"] for r in records)
+    assert value(values, "tiering_job_latency_seconds_sum", **store_jobs) == pytest.approx(total_s)
+    running = 0
+    for i, bound in enumerate(LATENCY_BUCKETS_S):
+        running += sum(r["bucket_counts"][i] for r in records)
+        bucket = value(values, "tiering_job_latency_seconds_bucket", le=repr(bound), **store_jobs)
+        assert bucket == running
     assert value(values, "tiering_capacity_blocks", tier="primary", medium="CPU") == 4
 
 

@@ -286,14 +286,43 @@ def test_config_check_and_doctor_report_a_mismatch_beforehand(
     populate(write_config(tmp_path, shape="tiny"), 2)
     before = tree_state(tmp_path / "tiers")
     changed = write_config(tmp_path, shape="tiny-hybrid")
-    status, _out, err = run(["config", "check", str(changed)], capsys)
+    status, out, err = run(["config", "check", str(changed)], capsys)
     assert status == 2
+    assert out.splitlines()[0] == f"{changed}: 2 error(s), on stderr"
     assert err.count("error: ") == 2 and "holds blocks written for another layout" in err
     status, out, _err = run(["doctor", "--config", str(changed)], capsys)
     assert status == 1
     lines = {line.split()[1:4][1]: line for line in out.splitlines() if " directory " in line}
     assert lines["nvme"].startswith("FAIL") and lines["db"].startswith("FAIL")
     assert "model 'tiny' on disk, 'tiny-hybrid' configured" in lines["nvme"]
+    assert tree_state(tmp_path / "tiers") == before
+
+
+def test_json_reports_of_config_check_and_doctor_carry_the_directory_findings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    populate(write_config(tmp_path, shape="tiny"), 2)
+    (tmp_path / "tiers" / "foreign").mkdir()
+    (tmp_path / "tiers" / "foreign" / "holiday.jpg").write_bytes(b"precious")
+    before = tree_state(tmp_path / "tiers")
+    changed = write_config(tmp_path, shape="tiny-hybrid").read_text()
+    changed = changed.replace("./tiers/db", "./tiers/foreign")  # someone else's directory
+    config = tmp_path / "tiering.yaml"
+    config.write_text(changed)
+    for argv, exit_code in ((["config", "check", "--json", str(config)], 2),
+                            (["doctor", "--json", "--config", str(config)], 1)):  # fmt: skip
+        status, out, _err = run(argv, capsys)
+        assert status == exit_code
+        document = json.loads(out)
+        assert document["exit_code"] == exit_code
+        directory = {c["tier"]: c for c in document["checks"] if c["name"].endswith("directory")}
+        assert set(directory) == {"nvme", "db"}
+        assert directory["nvme"]["name"] == "tier nvme directory"
+        assert directory["nvme"]["status"] == "FAIL"
+        assert "model 'tiny' on disk, 'tiny-hybrid' configured" in directory["nvme"]["message"]
+        assert directory["db"]["status"] == "FAIL"
+        assert "holiday.jpg" in directory["db"]["message"]
+        assert document["counts"]["FAIL"] == sum(c["status"] == "FAIL" for c in document["checks"])
     assert tree_state(tmp_path / "tiers") == before
 
 

@@ -22,6 +22,7 @@ from tiering.policies import (
     register_policy,
 )
 from tiering.policies import registry as policy_registry
+from tiering.policies._order import RecencyOrder
 from tiering.testing.policy_tests import (
     PolicyFactory,
     PolicyTests,
@@ -462,6 +463,31 @@ class PolicyMachine(RuleBasedStateMachine):
             self.policy.insert(key, evictable)
             self.model.insert(key, evictable)
 
+    @rule(keys=st.lists(pool_keys, max_size=4), evictable=st.booleans())
+    def insert_many(self, keys: list[bytes], evictable: bool) -> None:
+        held = self.model.held()
+        if any(key in held for key in keys) or len(set(keys)) != len(keys):
+            with pytest.raises(KeyError):
+                self.policy.insert_many(keys, evictable)
+            return  # nothing inserted: the invariants compare the unchanged state
+        self.policy.insert_many(keys, evictable)
+        for key in keys:
+            self.model.insert(key, evictable)
+
+    @rule(keys=st.lists(pool_keys, max_size=4), evictable=st.booleans())
+    def set_evictable_many(self, keys: list[bytes], evictable: bool) -> None:
+        held = self.model.held()
+        if any(key not in held for key in keys):
+            with pytest.raises(KeyError):
+                self.policy.set_evictable_many(keys, evictable)
+            return  # nothing changed: later evictions compare the pins
+        self.policy.set_evictable_many(keys, evictable)
+        for key in keys:
+            if evictable:
+                self.model.pinned.discard(key)
+            else:
+                self.model.pinned.add(key)
+
     @rule(keys=st.lists(pool_keys, max_size=4))
     def touch(self, keys: list[bytes]) -> None:
         self.policy.touch(keys)
@@ -527,3 +553,52 @@ class ARCMachine(PolicyMachine):
 _machine_settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestLRUMachine = _machine_settings(LRUMachine).TestCase
 TestARCMachine = _machine_settings(ARCMachine).TestCase
+
+
+# -- the recency order under the policies ----------------------------------------------------
+
+
+class _CountedKey:
+    """A key that counts how often anything hashes it (the unit of work of a dict or set)."""
+
+    hashes = 0
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __hash__(self) -> int:
+        _CountedKey.hashes += 1
+        return hash(self.i)
+
+
+class _Protected:
+    """Protects nothing and records what it was asked about (the keys a search examined)."""
+
+    def __init__(self) -> None:
+        self.asked: list[object] = []
+
+    def __contains__(self, key: object) -> bool:
+        self.asked.append(key)
+        return False
+
+
+def test_a_search_never_meets_a_pinned_key() -> None:
+    """Pinning takes a key out of the victim search at once: the first eviction after pinning
+    the oldest half of the keys examines one key and hashes none, not one per pinned key."""
+    order = RecencyOrder()
+    keys = [_CountedKey(i) for i in range(1000)]
+    for key in keys:
+        order.add(key, True)  # type: ignore[arg-type]
+    for key in keys[:500]:
+        assert order.set_evictable(key, False)  # type: ignore[arg-type]
+    protected = _Protected()
+    _CountedKey.hashes = 0
+    assert order.take(1, protected) == [keys[500]]
+    order.end_search(undo=False)
+    assert protected.asked == [keys[500]]
+    assert _CountedKey.hashes <= 1
+    # Unpinned keys come back to their places: the oldest first.
+    order.set_evictable(keys[10], True)  # type: ignore[arg-type]
+    order.set_evictable(keys[3], True)  # type: ignore[arg-type]
+    assert order.take(3, ()) == [keys[3], keys[10], keys[501]]
+    order.end_search(undo=False)

@@ -7,6 +7,7 @@ bytes between processes.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import signal
@@ -239,6 +240,26 @@ def test_a_waiting_joiner_attaches_to_the_replacement_not_the_orphan(shm_name: s
     (joiner,) = joined
     creator.rows_view()[2].fill_(9)
     assert (joiner.block_view(2) == 9).all() and (joiner.block_view(1) == 0).all()
+    joiner.close()
+    creator.close()
+
+
+def test_an_orphan_is_replaced_while_a_joiner_is_probing_it(shm_name: str) -> None:
+    # A joiner checks whether a pool's creator lives with a shared lock, for microseconds; on a
+    # busy machine it may be descheduled holding it. A creator replacing the orphan meanwhile
+    # must not take that probe for a live creator (it did: FileExistsError, and every joiner
+    # then waited for a replacement that never came).
+    path = _orphan_pool(shm_name)
+    probe = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the probe, held
+        creator = CPUBlockPool.open_or_create_shared(shm_name, 3, 128, timeout_s=0.1)
+        assert creator.is_creator and os.stat(path).st_ino != os.fstat(probe).st_ino
+    finally:
+        os.close(probe)
+    joiner = CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=30)
+    creator.rows_view()[1].fill_(4)
+    assert (joiner.block_view(1) == 4).all()
     joiner.close()
     creator.close()
 

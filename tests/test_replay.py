@@ -303,6 +303,13 @@ def test_a_scrape_and_a_subscriber_see_a_replays_activity_per_tier(tmp_path: Pat
     # The CPU tier stores what the engine wrote and what the tiers promoted.
     assert stored["CPU"] == cpu["bytes_stored"] // block + promoted > 0
     assert scraped[("tiering_used_blocks", "primary")] == cpu["blocks_held"]
+    # The primary's own counters: every block made ready there, every block the engine loaded.
+    assert scraped[("tiering_stored_blocks_total", "primary")] == stored["CPU"]
+    assert scraped[("tiering_loaded_blocks_total", "primary")] == report["blocks_loaded"] > 0
+    lookups = scraped[("tiering_lookups_total", "primary")]
+    hits = scraped[("tiering_lookup_hits_total", "primary")]
+    misses = scraped[("tiering_lookup_misses_total", "primary")]
+    assert lookups >= hits + misses and hits > 0 and misses > 0
     for name, medium in (("nvme", "NVME"), ("lmdb", "LMDB")):
         tier = report["tiers"][medium]
         assert stored[name] == tier["bytes_written"] // block > 0

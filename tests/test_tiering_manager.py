@@ -566,3 +566,38 @@ def test_shutdown_keeps_no_view_of_the_pool(tmp_path: Path) -> None:
     del pool, rows
     region.close()  # raises BufferError while anything still exports the mapping
     assert region.closed
+
+
+def test_a_tiers_held_keys_follow_its_policy_and_answer_misses(
+    harness_factory: type[Harness],
+) -> None:
+    """``SecondaryTier.held`` (what a lookup's miss test probes) is exactly the policy's keys
+    through tier evictions, a failed write, a corrupt promotion and a reset."""
+    backend = FailingBackend(
+        capacity_bytes=4 * (HEADER_BYTES + ROW_BYTES),
+        block_bytes=ROW_BYTES,
+        fingerprint=FINGERPRINT,
+    )
+    backend.failing = False
+    tier = SecondaryTier(backend)
+    h = harness_factory(2, [tier])
+    for i in range(1, 7):  # the tier holds 4: it evicts k(1) and k(2)
+        h.store(k(i))
+        h.settle()
+    assert tier.held == set(tier.policy) == {k(3), k(4), k(5), k(6)}
+    assert h.manager.lookup_result(k(1)) is LookupResult.MISS
+    assert h.manager.lookup_result(k(3), req_context="a") is RETRY  # only in the tier
+    h.settle()
+    backend.failing = True
+    h.store(k(7))  # the tier evicts k(3) for it, and the write fails
+    h.settle()
+    assert tier.held == set(tier.policy) == {k(4), k(5), k(6)}
+    assert tier.metrics.store_failures == 1
+    backend.failing = False
+    backend.corrupt(k(4), HEADER_BYTES + 1)
+    assert h.manager.lookup(k(4), req_context="b") is None  # promoted, and corrupt: forgotten
+    h.settle()
+    assert tier.held == set(tier.policy) == {k(5), k(6)}
+    assert h.manager.lookup(k(4)) is False
+    h.manager.reset_cache()
+    assert tier.held == set() and h.manager.lookup(k(5)) is False

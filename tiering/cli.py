@@ -12,28 +12,33 @@ Subcommands (each sets ``func(args) -> int``, the exit status)::
 
 Errors are reported at this boundary: a bad config or any :class:`~tiering.errors.TieringError`
 or ``OSError`` prints its message (never a traceback) and exits 2; anything unexpected prints a
-one-line summary and exits 3 (``--debug`` re-raises it instead). Exit 1 means "inspect found
-corrupt or unreadable blocks, or a tier it could not read as configured" or "doctor found a
-FAIL". ``config check`` exits 2 if a tier's directory would be refused when it opens.
+one-line summary and exits 3 (``--debug`` re-raises it instead). :data:`EXIT_CODES` lists every
+exit status (``tiering --help`` prints it; docs/cli.md too). ``--log-level`` sends the
+``tiering`` loggers' records at that level and above to stderr while the command runs.
+``doctor --json`` and ``config check --json`` print one JSON object (:func:`checks_document`,
+documented in docs/cli.md) instead of text, with the same exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
 import json
+import logging
 import mmap
 import os
 import platform
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ from tiering.config import (
     ConfigWarning,
     PluginSettings,
     TierConfig,
+    TierDirectoryFinding,
     TieringConfig,
     build_backend,
     build_tier,
@@ -63,12 +69,33 @@ from tiering.registry import get_backend
 from tiering.replay.progress import ProgressBar
 from tiering.transfer import machine_choice
 
-__all__ = ["build_parser", "format_bytes", "main"]
+__all__ = ["EXIT_CODES", "LOG_LEVELS", "build_parser", "checks_document", "format_bytes", "main"]
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # inspect found bad blocks, or doctor found a FAIL
 EXIT_ERROR = 2  # bad config, bad arguments, or an I/O error
 EXIT_UNEXPECTED = 3  # a bug: an exception that is not a TieringError or OSError
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+
+#: Every exit status of ``tiering``, and what it means (printed by ``tiering --help``).
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success: nothing wrong found"),
+    (
+        EXIT_FINDINGS,
+        "findings: doctor found a FAIL; inspect found corrupt or unreadable blocks, or a tier "
+        "holding another layout or not readable; replay loaded bytes that did not verify",
+    ),
+    (
+        EXIT_ERROR,
+        "error: bad arguments, a bad or missing config, an I/O error, or (config check) a "
+        "tier directory that would be refused when it opens",
+    ),
+    (EXIT_UNEXPECTED, "unexpected error: a bug (--debug shows the traceback)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+#: ``--log-level`` values, quietest last.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -88,14 +115,17 @@ def format_bytes(num_bytes: int) -> str:
 # -- config check and schema ---------------------------------------------------------------------
 
 
-def _load(path: str) -> TieringConfig:
-    """Load a config; its :class:`ConfigWarning` s go to stderr as one line each."""
+def _load(path: str, warnings_out: list[str] | None = None) -> TieringConfig:
+    """Load a config; its :class:`ConfigWarning` s go to stderr as one line each (and, as
+    text, to ``warnings_out`` if given)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         config = load_config(path)
     for warning in caught:
         if issubclass(warning.category, ConfigWarning):
             print(f"warning: {warning.message}", file=sys.stderr)
+            if warnings_out is not None:
+                warnings_out.append(str(warning.message))
         else:  # not ours: let the normal machinery show it
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
@@ -103,24 +133,48 @@ def _load(path: str) -> TieringConfig:
     return config
 
 
-def cmd_config_check(args: argparse.Namespace) -> int:
-    config = _load(args.file)
-    layout = None if config.model is None else layout_for_config(config)
+@dataclass(frozen=True)
+class _TierRow:
+    """One tier in ``config check``'s summary."""
+
+    name: str
+    type: str
+    capacity_bytes: int
+    capacity_blocks: int | None  # None: depends on the model (none given) or a plugin
+    policy: str
+    write_policy: str | None  # None for the primary tier
+    path: str | None
+    note: str = ""
+
+    def text(self) -> tuple[str, str, str, str, str]:
+        blocks = self.note if self.capacity_blocks is None else f"{self.capacity_blocks} blocks"
+        rest = f"policy {self.policy}"
+        if self.write_policy is not None:
+            rest += f", {self.write_policy}"
+        if self.path is not None:
+            rest += f", path {self.path}"
+        return self.name, self.type, format_bytes(self.capacity_bytes), blocks, rest
+
+
+def _tier_rows(config: TieringConfig, layout: BlockLayout | None) -> list[_TierRow]:
+    """The primary and each secondary tier; raises :class:`ConfigError` if a tier holds no block."""
     primary = config.primary
-    # One row per tier: name, type, capacity, blocks it holds, the rest.
     rows = [
-        (
+        _TierRow(
             "primary",
             "cpu",
-            format_bytes(primary.capacity_bytes),
-            "" if layout is None else f"{config.num_cpu_blocks(layout.block_bytes)} blocks",
-            f"policy {primary.policy}",
+            int(primary.capacity_bytes),
+            None if layout is None else config.num_cpu_blocks(layout.block_bytes),
+            str(primary.policy),
+            None,
+            None,
         )
     ]
     for tier in config.secondary_tiers:
-        blocks = ""
+        blocks: int | None = None
+        note = ""
         if isinstance(tier.settings, PluginSettings):
-            blocks = "(plugin, imported when built)"  # checking a config runs no plugin code
+            note = "(plugin, imported when built)"  # checking a config runs no plugin code
         elif layout is not None:
             # Constructing the tier validates its settings (and a shared tier's) for this block
             # size; no I/O.
@@ -134,18 +188,58 @@ def cmd_config_check(args: argparse.Namespace) -> int:
                     f"{format_bytes(layout.block_bytes)} once the {tier.type} backend's "
                     "per-block overhead is counted; make it larger"
                 )
-            blocks = f"{backend.capacity_blocks} blocks"
-        where = "" if tier.path is None else f", path {tier.path}"
+            blocks = backend.capacity_blocks
         rows.append(
-            (
+            _TierRow(
                 tier.name,
-                tier.type,
-                format_bytes(tier.capacity_bytes),
+                str(tier.type),
+                int(tier.capacity_bytes),
                 blocks,
-                f"policy {tier.policy}, {tier.write_policy.value}{where}",
+                str(tier.policy),
+                tier.write_policy.value,
+                None if tier.path is None else str(tier.path),
+                note,
             )
         )
-    print(f"{args.file}: OK")
+    return rows
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config_warnings: list[str] = []
+    try:
+        config = _load(args.file, config_warnings)
+        layout = None if config.model is None else layout_for_config(config)
+        rows = _tier_rows(config, layout)
+    except (TieringError, OSError) as exc:
+        if args.json:  # the document, then the usual one-line error on stderr (exit 2)
+            checks = [Check("config", FAIL, str(exc))]
+            document = checks_document("config check", args.file, checks, EXIT_ERROR)
+            _print_json(document | {"model": None, "tiers": []})
+        raise
+    checks = [Check("config", WARN, warning) for warning in config_warnings]
+    checks = checks or [Check("config", OK, "valid")]
+    # What each tier will meet in its directory: refused now, not when the engine starts.
+    findings = check_tier_directories(config, layout)
+    checks += _directory_checks(config, findings)
+    status = EXIT_ERROR if any(c.verdict == FAIL for c in checks) else EXIT_OK
+    if args.json:
+        model = None
+        if config.model is not None and layout is not None:
+            model = {
+                "shape": config.model.shape,
+                "world_size": config.model.world_size,
+                "block_size_factor": config.block_size_factor,
+                "block_bytes": layout.block_bytes,
+            }
+        tiers = [dataclasses.asdict(row) for row in rows]
+        for tier in tiers:
+            del tier["note"]
+        document = checks_document("config check", args.file, checks, status)
+        _print_json(document | {"model": model, "tiers": tiers})
+        return status
+    errors = sum(c.verdict == FAIL for c in checks)
+    # The headline is the verdict: a config whose tier directories are refused is not OK.
+    print(f"{args.file}: OK" if not errors else f"{args.file}: {errors} error(s), on stderr")
     if config.model is None or layout is None:
         print("model: none (the blocks each tier holds depend on model.shape)")
     else:
@@ -154,17 +248,16 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             f"block_size_factor {config.block_size_factor}: one block is "
             f"{format_bytes(layout.block_bytes)} ({layout.block_bytes} bytes)"
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for name, kind, capacity, blocks, rest in rows:
+    texts = [row.text() for row in rows]
+    widths = [max(len(text[i]) for text in texts) for i in range(4)]
+    for name, kind, capacity, blocks, rest in texts:
         print(
             f"  {name:<{widths[0]}}  {kind:<{widths[1]}}  {capacity:>{widths[2]}}  "
             f"{blocks:>{widths[3]}}  {rest}"
         )
-    # What each tier will meet in its directory: refused now, not when the engine starts.
-    findings = check_tier_directories(config, layout)
     for finding in findings:
         print(f"{finding.severity}: {finding.message}", file=sys.stderr)
-    return EXIT_ERROR if any(f.severity == "error" for f in findings) else EXIT_OK
+    return status
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
@@ -388,6 +481,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # -- doctor --------------------------------------------------------------------------------------
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
+VERDICTS = (OK, WARN, FAIL)
 _PROBE_BYTES = 4096
 
 
@@ -398,6 +492,7 @@ class Check:
     name: str
     verdict: str
     detail: str
+    tier: str | None = None  # the secondary tier it is about, if any
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -531,14 +626,16 @@ def _tier_checks(config: TieringConfig) -> list[Check]:
     needed_by_device: dict[int, int] = {}  # tiers on one file system share its free space
     for tier in config.secondary_tiers:
         if tier.path is None:
-            checks.append(Check(f"tier {tier.name}", OK, f"{tier.type}: no files to check"))
+            checks.append(
+                Check(f"tier {tier.name}", OK, f"{tier.type}: no files to check", tier.name)
+            )
             continue
         path = Path(tier.path)
         directory = _existing_ancestor(path)
         wants_o_direct = getattr(tier.settings, "o_direct", False) is True
         works, why = probe_o_direct(directory)
         if works:
-            checks.append(Check(f"tier {tier.name} O_DIRECT", OK, f"{directory}: {why}"))
+            checks.append(Check(f"tier {tier.name} O_DIRECT", OK, f"{directory}: {why}", tier.name))
         else:
             verdict = FAIL if wants_o_direct else WARN
             consequence = (
@@ -547,7 +644,12 @@ def _tier_checks(config: TieringConfig) -> list[Check]:
                 else "the page cache will be used"
             )
             checks.append(
-                Check(f"tier {tier.name} O_DIRECT", verdict, f"{directory}: {why}; {consequence}")
+                Check(
+                    f"tier {tier.name} O_DIRECT",
+                    verdict,
+                    f"{directory}: {why}; {consequence}",
+                    tier.name,
+                )
             )
         device = directory.stat().st_dev
         needed = max(0, tier.capacity_bytes - _allocated_bytes(path))
@@ -560,29 +662,32 @@ def _tier_checks(config: TieringConfig) -> list[Check]:
         if needed_by_device[device] > free:
             if needed_by_device[device] > needed:
                 detail += " (counting earlier tiers on the same file system)"
-            checks.append(Check(f"tier {tier.name} space", FAIL, detail))
+            checks.append(Check(f"tier {tier.name} space", FAIL, detail, tier.name))
         else:
-            checks.append(Check(f"tier {tier.name} space", OK, detail))
+            checks.append(Check(f"tier {tier.name} space", OK, detail, tier.name))
     return checks
 
 
-def _directory_checks(config: TieringConfig) -> list[Check]:
-    """Whether each tier's directory is tiering's and holds the configured layout (reads only)."""
+def _directory_checks(
+    config: TieringConfig, findings: Sequence[TierDirectoryFinding]
+) -> list[Check]:
+    """Whether each tier's directory is tiering's and holds the configured layout: the
+    findings of :func:`check_tier_directories` (which reads only), as checks; an OK check for
+    a tier with a directory and no finding."""
     verdicts = {"error": FAIL, "warning": WARN, "note": OK}
-    found = {f.tier: f for f in check_tier_directories(config)}
+    found: dict[str, list[TierDirectoryFinding]] = {}
+    for finding in findings:
+        found.setdefault(finding.tier, []).append(finding)
     checks = []
     for tier in config.secondary_tiers:
         if tier.path is None or isinstance(tier.settings, PluginSettings):
             continue
-        finding = found.get(tier.name)
-        if finding is None:
-            checks.append(
-                Check(f"tier {tier.name} directory", OK, f"{tier.path}: usable by this config")
-            )
-        else:
-            checks.append(
-                Check(f"tier {tier.name} directory", verdicts[finding.severity], finding.message)
-            )
+        name = f"tier {tier.name} directory"
+        of_tier = found.get(tier.name, [])
+        if not of_tier:
+            checks.append(Check(name, OK, f"{tier.path}: usable by this config", tier.name))
+        for finding in of_tier:
+            checks.append(Check(name, verdicts[finding.severity], finding.message, tier.name))
     return checks
 
 
@@ -607,20 +712,59 @@ def run_doctor(config: TieringConfig | None) -> list[Check]:
         checks.append(Check("O_DIRECT (temp dir)", OK if works else WARN, f"{directory}: {why}"))
     else:
         checks += _tier_checks(config)
-        checks += _directory_checks(config)
+        checks += _directory_checks(config, check_tier_directories(config))
     return checks
 
 
+def checks_document(
+    command: str, config: str | None, checks: Sequence[Check], exit_code: int
+) -> dict[str, Any]:
+    """The JSON object ``doctor --json`` and ``config check --json`` print (docs/cli.md)::
+
+        {"json_version": 1, "command": "doctor", "config": "tiering.yaml" | null,
+         "exit_code": 0, "counts": {"OK": 9, "WARN": 2, "FAIL": 0},
+         "checks": [{"name": "torch", "status": "OK", "message": "2.13.0", "tier": null}, ...]}
+
+    ``status`` is ``OK``, ``WARN`` or ``FAIL``; ``tier`` names the secondary tier a check is
+    about (null otherwise). ``config check`` adds ``model`` and ``tiers``.
+    """
+    return {
+        "json_version": 1,
+        "command": command,
+        "config": None if config is None else str(config),
+        "exit_code": exit_code,
+        "counts": {verdict: sum(c.verdict == verdict for c in checks) for verdict in VERDICTS},
+        "checks": [
+            {"name": c.name, "status": c.verdict, "message": c.detail, "tier": c.tier}
+            for c in checks
+        ],
+    }
+
+
+def _print_json(document: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    config = None if args.config is None else _load(args.config)
+    try:
+        config = None if args.config is None else _load(args.config)
+    except (TieringError, OSError) as exc:
+        if args.json:  # the document, then the usual one-line error on stderr (exit 2)
+            checks = [Check("config", FAIL, str(exc))]
+            _print_json(checks_document("doctor", args.config, checks, EXIT_ERROR))
+        raise
     checks = run_doctor(config)
+    failed = sum(c.verdict == FAIL for c in checks)
+    warned = sum(c.verdict == WARN for c in checks)
+    status = EXIT_FINDINGS if failed else EXIT_OK
+    if args.json:
+        _print_json(checks_document("doctor", args.config, checks, status))
+        return status
     width = max(len(c.name) for c in checks)
     for c in checks:
         print(f"{c.verdict:<5} {c.name:<{width}}  {c.detail}")
-    failed = sum(c.verdict == FAIL for c in checks)
-    warned = sum(c.verdict == WARN for c in checks)
     print(f"{len(checks)} checks: {failed} FAIL, {warned} WARN")
-    return EXIT_FINDINGS if failed else EXIT_OK
+    return status
 
 
 # -- wipe ----------------------------------------------------------------------------------------
@@ -692,12 +836,42 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _log_level(text: str) -> int:
+    """A ``--log-level`` value (any case) as a :mod:`logging` level."""
+    name = text.strip().lower()
+    if name not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid level {text!r}: give one of {', '.join(LOG_LEVELS)}"
+        )
+    return int(getattr(logging, name.upper()))
+
+
+def _exit_codes_epilog() -> str:
+    lines = ["exit status:"]
+    for code, meaning in EXIT_CODES:
+        lines += textwrap.wrap(
+            meaning, width=88, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7
+        )
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tiering", description="Tiered KV-cache store: configs, tiers and this machine."
+        prog="tiering",
+        description="Tiered KV-cache store: configs, tiers and this machine.",
+        epilog=_exit_codes_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an unexpected error"
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=logging.WARNING,
+        metavar="LEVEL",
+        help=f"log records of tiering at this level and above to stderr: {', '.join(LOG_LEVELS)} "
+        "(default warning)",
     )
     parser.add_argument("--version", action="version", version=f"tiering {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -708,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate a YAML config and summarize its tiers"
     )
     check.add_argument("file", metavar="FILE", help="the YAML config")
+    check.add_argument(
+        "--json", action="store_true", help="print one JSON object (docs/cli.md), not text"
+    )
     check.set_defaults(func=cmd_config_check)
     schema = config_commands.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_config_schema)
@@ -744,10 +921,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="check what this machine supports (OK / WARN / FAIL)",
         description=(
             "Check Python, torch, CUDA, pinned memory, LMDB, xxhash, CPUs and /dev/shm; with "
-            "--config, also O_DIRECT and free space on each tier's path. Exits 1 on a FAIL."
+            "--config, also O_DIRECT and free space on each tier's path, and whether each "
+            "tier's directory is tiering's and holds the configured layout. Exits 1 on a FAIL."
         ),
     )
     doctor.add_argument("--config", metavar="FILE", help="also check this config's tier paths")
+    doctor.add_argument(
+        "--json", action="store_true", help="print one JSON object (docs/cli.md), not text"
+    )
     doctor.set_defaults(func=cmd_doctor)
 
     wipe = commands.add_parser(
@@ -781,12 +962,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on bad arguments
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    with _logging_to_stderr(args.log_level):
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(level: int) -> Iterator[None]:
+    """Send the ``tiering`` loggers' records at ``level`` and above to stderr while a command
+    runs, then put the logger back as it was (``main`` may run many times in one process)."""
+    logger = logging.getLogger("tiering")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tiering: %(levelname)s: %(name)s: %(message)s"))
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # the command's stderr is the one place its records go
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         status: int = args.func(args)
         return status
     except KeyboardInterrupt:
         print("tiering: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except (TieringError, OSError) as exc:
         if args.debug:
             raise

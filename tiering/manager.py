@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
+from typing import cast
 
 import numpy as np
 
@@ -136,6 +138,12 @@ class CPUOffloadingManager(OffloadingManager):
         """Every held key's slot (a read-only live view)."""
         return self._slots_view
 
+    def lookup_state(self) -> tuple[Mapping[OffloadKey, int], AbstractSet[OffloadKey]]:
+        """What :meth:`lookup_result` reads, live, read-only for the caller: key -> slot of every
+        held key, and the keys being written. A key in the first and not the second is a HIT.
+        For a tiering manager, whose lookup tests them inline (the engine's hottest call)."""
+        return self._slots, self._not_ready
+
     # -- lookups ------------------------------------------------------------------------------
 
     def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
@@ -190,16 +198,26 @@ class CPUOffloadingManager(OffloadingManager):
         """
         if misplaced:
             reject_positional("prepare_load", misplaced, "req_context")
-        key_list = check_keys(keys)
+        return self.prepare_load_checked(check_keys(keys))
+
+    def prepare_load_checked(self, key_list: list[OffloadKey]) -> LoadStoreSpec:
+        """:meth:`prepare_load` of keys :func:`~tiering.keys.check_keys` already checked (a
+        tiering manager's call: one check per call)."""
         slots = self._slots
-        for key in key_list:
-            if key not in slots:
-                raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
-            if key in self._not_ready:
-                raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
+        not_ready = self._not_ready
+        try:
+            block_ids = [slots[key] for key in key_list]
+        except KeyError:
+            block_ids = []
+        if len(block_ids) != len(key_list) or (not_ready and not not_ready.isdisjoint(key_list)):
+            for key in key_list:  # the first key that cannot load, named in order
+                if key not in slots:
+                    raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
+                if key in not_ready:
+                    raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
         self._pin(key_list)
         self._loaded_blocks += len(key_list)
-        return LoadStoreSpec(self.medium, np.fromiter((slots[k] for k in key_list), np.int64))
+        return LoadStoreSpec(self.medium, np.array(block_ids, dtype=np.int64))
 
     def complete_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -208,33 +226,47 @@ class CPUOffloadingManager(OffloadingManager):
         key was not prepared (as many times as it is listed)."""
         if misplaced:
             reject_positional("complete_load", misplaced, "req_context")
-        key_list = check_keys(keys)
+        self.complete_load_checked(check_keys(keys))
+
+    def complete_load_checked(self, key_list: list[OffloadKey]) -> None:
+        """:meth:`complete_load` of keys :func:`~tiering.keys.check_keys` already checked."""
+        pins = self._pins
+        if len(dict.fromkeys(key_list)) != len(key_list) or not all(
+            map(pins.__contains__, key_list)
+        ):
+            self._check_unpins(key_list)  # raises, naming the first key short of pins
+        unpinned: list[OffloadKey] = []
+        for key in key_list:
+            left = pins[key] - 1
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+                unpinned.append(key)
+        if unpinned:
+            self._policy.set_evictable_many(unpinned, True)
+
+    def _check_unpins(self, key_list: list[OffloadKey]) -> None:
+        """Raise ProtocolError for the first key listed more often than it is pinned."""
         wanted: dict[OffloadKey, int] = {}
         for key in key_list:
             wanted[key] = wanted.get(key, 0) + 1
-        pins = self._pins
         for key, times in wanted.items():
-            pinned = pins.get(key, 0)
+            pinned = self._pins.get(key, 0)
             if pinned < times:
                 raise ProtocolError(
                     f"complete_load for key {key.hex()} x{times} but only {pinned} load(s) of it "
                     "were prepared"
                 )
-        for key, times in wanted.items():
-            left = pins[key] - times
-            if left:
-                pins[key] = left
-            else:
-                del pins[key]
-                self._policy.set_evictable(key, True)
 
     def _pin(self, key_list: list[OffloadKey]) -> None:
         pins = self._pins
+        first = [key for key in key_list if key not in pins]  # a key listed twice: no matter
+        if first:
+            self._policy.set_evictable_many(first, False)
+        get = pins.get
         for key in key_list:
-            count = pins.get(key, 0)
-            if count == 0:
-                self._policy.set_evictable(key, False)
-            pins[key] = count + 1
+            pins[key] = get(key, 0) + 1
 
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -244,6 +276,10 @@ class CPUOffloadingManager(OffloadingManager):
         if misplaced:
             reject_positional("touch", misplaced, "req_context")
         self._policy.touch(check_keys(keys))
+
+    def touch_checked(self, key_list: list[OffloadKey]) -> None:
+        """:meth:`touch` of keys :func:`~tiering.keys.check_keys` already checked."""
+        self._policy.touch(key_list)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -260,7 +296,12 @@ class CPUOffloadingManager(OffloadingManager):
         """
         if misplaced:
             reject_positional("prepare_store", misplaced, "req_context")
-        key_list = check_keys(keys)
+        return self.prepare_store_checked(check_keys(keys), req_context)
+
+    def prepare_store_checked(
+        self, key_list: list[OffloadKey], req_context: object = None
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store` of keys :func:`~tiering.keys.check_keys` already checked."""
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
         if self._offers is not None:
@@ -285,38 +326,51 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
-        if len(to_store) > self.num_blocks:
+        needed = len(to_store)
+        if needed > self.num_blocks:
             return None
         slots_of = self._slots
+        freed_slots = self._freed_slots
+        fresh_left = self.num_blocks - self._next_fresh_slot
         evicted: list[OffloadKey] = []
-        shortfall = len(to_store) - self.num_free_blocks
+        shortfall = needed - fresh_left - len(freed_slots)
         if shortfall > 0:
             victims = self._policy.evict(shortfall, protected=set(key_list))
             if victims is None:
                 return None
-            freed: list[tuple[OffloadKey, int]] = []
-            for victim in victims:
-                victim_key = OffloadKey(victim)
-                freed.append((victim_key, slots_of.pop(victim_key)))
-                evicted.append(victim_key)
+            evicted = cast("list[OffloadKey]", victims)
             hook = self._eviction_hook
-            retained = hook(freed, req_context) if hook is not None else set()
-            for _, slot in freed:
-                if slot not in retained:
-                    self._free_slot(slot)
+            if hook is None:
+                freed_slots += map(slots_of.pop, evicted)  # in victim order, one C loop
+            else:
+                freed = [(key, slots_of.pop(key)) for key in evicted]
+                retained = hook(freed, req_context)
+                freed_slots += [slot for _, slot in freed if slot not in retained]
             self._evicted_blocks += len(evicted)
-            self._emit(evicted, removed=True)
-            if self.num_free_blocks < len(to_store):
+            if self.enable_events:
+                self._events.append(OffloadingEvent(tuple(evicted), self.medium, True))
+            if fresh_left + len(freed_slots) < needed:
                 # Write-back: some victims keep their slots until a lower tier has them.
                 return None
-        slots = self._allocate_slots(len(to_store))
+        # Fresh slots in increasing order first, then the most recently freed.
+        if fresh_left:
+            fresh = min(needed, fresh_left)
+            start = self._next_fresh_slot
+            slots = list(range(start, start + fresh))
+            self._next_fresh_slot = start + fresh
+            reused = needed - fresh
+            if reused:
+                slots += freed_slots[: -reused - 1 : -1]
+                del freed_slots[-reused:]
+        else:
+            slots = freed_slots[: -needed - 1 : -1]
+            del freed_slots[-needed:]
         slots_of.update(zip(to_store, slots, strict=True))
         self._not_ready.update(to_store)
-        insert = self._policy.insert
-        for key in to_store:
-            insert(key, False)
-        spec = LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64))
-        return PrepareStoreOutput(to_store, spec, evicted)
+        self._policy.insert_many(to_store, False)
+        return PrepareStoreOutput(
+            to_store, LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64)), evicted
+        )
 
     def complete_store(
         self,
@@ -331,39 +385,35 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("complete_store", misplaced, "success and req_context")
         if success is not True and success is not False:
             check_success(success)
-        done: list[OffloadKey] = []
+        self._complete_store(check_keys(keys), success)
+
+    def complete_store_ready(self, key_list: list[OffloadKey]) -> list[OffloadKey]:
+        """:meth:`complete_store` (success) of keys :func:`~tiering.keys.check_keys` already
+        checked; returns the keys it made ready, in order, once each."""
+        return self._complete_store(key_list, True)
+
+    def _complete_store(self, key_list: list[OffloadKey], success: bool) -> list[OffloadKey]:
         not_ready = self._not_ready
+        done = [key for key in key_list if key in not_ready]  # unknown or ready: left alone
+        if not done:
+            return done
+        before = len(not_ready)
+        not_ready.difference_update(done)
+        if before - len(not_ready) != len(done):  # a key listed twice counts once
+            done = list(dict.fromkeys(done))
         policy = self._policy
-        for key in check_keys(keys):
-            if key not in not_ready:  # unknown, or already ready
-                continue
-            not_ready.remove(key)
-            if success:
-                policy.set_evictable(key, True)
-            else:
-                policy.remove(key)
-                self._free_slot(self._slots.pop(key))
-            done.append(key)
         if success:
+            policy.set_evictable_many(done, True)
             self._stored_blocks += len(done)
-            self._emit(done, removed=False)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(tuple(done), self.medium, False))
         else:
+            slots_of = self._slots
+            for key in done:
+                policy.remove(key)
+            self._freed_slots += map(slots_of.pop, done)
             self._failed_blocks += len(done)
-
-    def _allocate_slots(self, n: int) -> list[int]:
-        """``n`` slots: fresh ones in increasing order, then the most recently freed."""
-        fresh = min(n, self.num_blocks - self._next_fresh_slot)
-        slots = list(range(self._next_fresh_slot, self._next_fresh_slot + fresh))
-        self._next_fresh_slot += fresh
-        reused = n - fresh
-        if reused:
-            freed = self._freed_slots
-            slots.extend(reversed(freed[-reused:]))
-            del freed[-reused:]
-        return slots
-
-    def _free_slot(self, slot: int) -> None:
-        self._freed_slots.append(slot)
+        return done
 
     # -- hooks for a tiering manager -----------------------------------------------------------
 
@@ -376,8 +426,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def release_slots(self, slots: Iterable[int]) -> None:
         """Free slots that an eviction hook retained."""
-        for slot in slots:
-            self._free_slot(slot)
+        self._freed_slots += slots
 
     def reserve_for_promotion(
         self,

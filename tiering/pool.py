@@ -484,16 +484,14 @@ def _remove_if_orphaned(path: Path) -> bool:
     if fd is None:
         return True  # gone meanwhile
     try:
-        # Another process probing (a joiner, a second creator) holds the lock for
-        # microseconds; a live creator holds it for good.
-        for attempt in range(3):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == 2:
-                    return False
-                time.sleep(0.005)
+        # Only a creator ever takes the exclusive lock (on its own file, before linking it), so a
+        # shared lock that is granted proves nobody will: the pool is an orphan for good. Probes
+        # (joiners, other creators) take shared locks too, which never conflict with this one;
+        # an exclusive attempt would fail whenever a joiner happened to be probing.
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live creator holds it
         found, ours = os.stat(path, follow_symlinks=False), os.fstat(fd)
         if (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino):
             path.unlink()

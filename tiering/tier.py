@@ -42,6 +42,7 @@ import numpy as np
 
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.errors import ConfigurationError, TieringError
+from tiering.latency import LatencyRecord
 from tiering.policies import EvictionPolicy, make_policy
 from tiering.protocol import ConfigInfo
 
@@ -78,7 +79,9 @@ class TierKeyState(enum.IntEnum):
 
 @dataclass
 class TierMetrics:
-    """Counters of one tier (cumulative); latencies in seconds, one sample per job."""
+    """Counters of one tier (cumulative); job latencies in seconds, one sample per job, in
+    fixed memory (:class:`~tiering.latency.LatencyRecord`: exact count, total and histogram,
+    sampled percentiles)."""
 
     lookup_hits: int = 0
     promotions: int = 0
@@ -95,8 +98,8 @@ class TierMetrics:
     bytes_written: int = 0
     bytes_read: int = 0
     open_failures: int = 0
-    load_latency_s: list[float] = field(default_factory=list)
-    store_latency_s: list[float] = field(default_factory=list)
+    load_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
+    store_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
 
     def counters(self) -> dict[str, int]:
         """The integer counters by name (latency samples left out)."""
@@ -222,6 +225,9 @@ class SecondaryTier:
         self.max_inflight_jobs = max_inflight_jobs
         self._policy_spec = policy
         self._policy: EvictionPolicy | None = None
+        #: Every key the index holds (READY, WRITING or quarantined), kept with the policy: a
+        #: manager's lookup tests a miss against it in one probe (read-only for callers).
+        self.held: set[bytes] = set()
         self._writing: set[bytes] = set()
         self._reading: dict[bytes, int] = {}
         self._dirty: set[bytes] = set()  # write-back: in the primary, not written here yet
@@ -272,6 +278,8 @@ class SecondaryTier:
         for key in recovered:
             if key not in policy:
                 policy.insert(key)
+        self.held.clear()
+        self.held.update(policy)
         self._policy = policy
         self.status = "open"
 
@@ -453,10 +461,14 @@ class SecondaryTier:
                 return None
             victims = chosen
             self.metrics.evictions += len(victims)
-        for key in to_write:
-            policy.insert(key, evictable=False)
-            self._writing.add(key)
-            self._quarantine.pop(key, None)
+            self.held.difference_update(victims)
+        policy.insert_many(to_write, evictable=False)
+        self.held.update(to_write)
+        self._writing.update(to_write)
+        quarantine = self._quarantine
+        if len(quarantine):  # (a TTLCache's pop is a few Python calls: skip it when empty)
+            for key in to_write:
+                quarantine.pop(key, None)
         return to_write, victims
 
     def finish_store(self, job: TierJob, result: object) -> StoreResult:
@@ -480,6 +492,7 @@ class SecondaryTier:
             return StoreResult(stored, pairs + [(job.keys[i], job.slots[i]) for i in full], None)
         self.metrics.full_retries += 1
         self.metrics.evictions += len(victims)
+        self.held.difference_update(victims)
         retry = self._write_job(
             job.kind,
             full_keys,
@@ -501,6 +514,7 @@ class SecondaryTier:
                 published.append(key)
             else:
                 policy.remove(key)
+                self.held.discard(key)
                 self.metrics.store_failures += 1
         self.metrics.stored_blocks += len(published)
         return published
@@ -557,6 +571,7 @@ class SecondaryTier:
                 # The backend no longer holds it: forget it for good.
                 if key in policy and not count:
                     policy.remove(key)
+                    self.held.discard(key)
                     removed.append(key)
             else:
                 self._quarantine[key] = True
@@ -571,6 +586,7 @@ class SecondaryTier:
         keys = list(self._policy) if self._policy is not None else []
         if self._policy is not None:
             self._policy.clear()
+        self.held.clear()
         self._writing.clear()
         self._reading.clear()
         self._dirty.clear()
@@ -587,9 +603,9 @@ class SecondaryTier:
         return memoryview(self._rows[slot])
 
     @staticmethod
-    def _outcomes(job: TierJob, result: object, latencies: list[float]) -> list[Outcome]:
+    def _outcomes(job: TierJob, result: object, latencies: LatencyRecord) -> list[Outcome]:
         if isinstance(result, IOResult):
-            latencies.append(result.elapsed_s)
+            latencies.add(result.elapsed_s)
             return result.outcomes
         return [FAILED] * len(job.keys)  # the job itself failed (it should not, but be safe)
 

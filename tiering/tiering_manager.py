@@ -203,8 +203,15 @@ class TieringOffloadingManager(OffloadingManager):
         )
         self._draining: dict[int, int] = {}  # primary slot -> write-back jobs still copying it
         self.promotions_without_space = 0
+        # Keys looked up in the primary, by answer (lookups are their sum): read by metrics().
+        self.primary_lookup_hits = 0  # ready there
+        self.primary_lookup_pending = 0  # being written there (a store, or a promotion)
+        self.primary_lookup_misses = 0  # not there
         self._stats_seen: ManagerStats = {}
         self._closed = False
+        # Whether a lookup may have to run _begin_call: standalone, or shut down (one load on
+        # a step-driven lookup's path; step_driven is fixed at construction).
+        self._lookup_guarded = not step_driven
         self._write_back_tiers = [t for t in self.tiers if t.write_policy is WritePolicy.WRITE_BACK]
         shared = [i for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)]
         if len(shared) > 1:
@@ -217,6 +224,19 @@ class TieringOffloadingManager(OffloadingManager):
                 "lookup asks it only once every local tier has missed"
             )
         self._shared_index = shared[0] if shared else -1
+        self._primary_slots, self._primary_not_ready = primary.lookup_state()
+        # A lookup's miss test, when every tier answers from its index alone: a key in no
+        # tier's ``held`` is ABSENT everywhere (one probe per tier, no call). None: ask each
+        # tier's state() (a shared tier, a tier class with its own state(), lookup counting).
+        # With one tier (the usual case) its set itself: no loop.
+        self._tier_held: set[bytes] | tuple[set[bytes], ...] | None = None
+        if (
+            not shared
+            and not self._counts_lookups
+            and all(type(t).state is SecondaryTier.state for t in self.tiers)
+        ):
+            held = tuple(t.held for t in self.tiers)
+            self._tier_held = held[0] if len(held) == 1 else held
         self._shared: SharedTier | None = (
             cast(SharedTier, self.tiers[shared[0]]) if shared else None
         )
@@ -325,33 +345,60 @@ class TieringOffloadingManager(OffloadingManager):
         start or queue); MISS if in no tier."""
         if type(key) is not bytes:
             check_key(key)
-        if (
+        if self._lookup_guarded and (
             self._closed
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
             self._begin_call(req_context)
-        answer = self.primary.lookup_result(key)
-        if answer is HIT:
-            return HIT
-        if answer is HIT_PENDING:
+        # The primary's lookup_result, inline (the engine's hottest call): the key is bytes.
+        if key in self._primary_slots:
+            if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
+                return HIT
+            self.primary_lookup_pending += 1
             return RETRY if key in self._promoting else HIT_PENDING
-        return self._lookup_below(key, req_context)
+        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
+        if tier_held is not None and (not self._promoting or key not in self._promoting):
+            if type(tier_held) is set:
+                if key not in tier_held:
+                    self.primary_lookup_misses += 1
+                    return MISS
+            elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
+                return MISS
+        answer = self._lookup_below(key, req_context)
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return answer
 
     def lookup(self, key: OffloadKey, req_context: object = None) -> bool | None:
         """:meth:`lookup_result` as True (HIT), False (MISS) or None (ask again later)."""
         if type(key) is not bytes:
             check_key(key)
-        if (
+        if self._lookup_guarded and (
             self._closed
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
             self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
-        answer = self.primary.lookup(key)
-        if answer is not False:
-            return answer
-        return AS_BOOL[self._lookup_below(key, req_context)]
+        if key in self._primary_slots:  # the primary's lookup, inline: the key is bytes
+            if key not in self._primary_not_ready:
+                self.primary_lookup_hits += 1
+                return True
+            self.primary_lookup_pending += 1
+            return None
+        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
+        if tier_held is not None and (not self._promoting or key not in self._promoting):
+            if type(tier_held) is set:
+                if key not in tier_held:
+                    self.primary_lookup_misses += 1
+                    return False
+            elif not any(key in held for held in tier_held):
+                self.primary_lookup_misses += 1
+                return False
+        below = AS_BOOL[self._lookup_below(key, req_context)]
+        self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
+        return below
 
     def _lookup_below(self, key: bytes, req_context: object) -> LookupResult:
         """The answer for a key the primary does not hold."""
@@ -400,6 +447,7 @@ class TieringOffloadingManager(OffloadingManager):
             if lookup(key) is not True:
                 break
             count += 1
+        self.primary_lookup_hits += count  # the first other key is counted just below
         promotable: dict[bytes, int] = {}
         pending = False
         for key in key_list[count:]:
@@ -452,8 +500,13 @@ class TieringOffloadingManager(OffloadingManager):
         """The key's state across tiers; a key a tier could promote is PENDING and noted."""
         answer = self.primary.lookup(OffloadKey(key))
         if answer is True:
+            self.primary_lookup_hits += 1
             return KeyState.READY
-        if answer is None or key in self._promoting:
+        if answer is None:
+            self.primary_lookup_pending += 1
+            return KeyState.PENDING
+        self.primary_lookup_misses += 1
+        if key in self._promoting:
             return KeyState.PENDING
         if self._counts_lookups:
             self._count_lookup(key)
@@ -726,7 +779,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        return self.primary.prepare_load(key_list)
+        return self.primary.prepare_load_checked(key_list)
 
     def complete_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -735,7 +788,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("complete_load", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        self.primary.complete_load(key_list)
+        self.primary.complete_load_checked(key_list)
 
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
@@ -745,7 +798,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("touch", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        self.primary.touch(key_list)
+        self.primary.touch_checked(key_list)
         for tier in self.tiers:
             tier.touch(key_list)
 
@@ -761,7 +814,7 @@ class TieringOffloadingManager(OffloadingManager):
             reject_positional("prepare_store", misplaced, "req_context")
         key_list = check_keys(keys)
         self._begin_call(req_context)
-        out = self.primary.prepare_store(key_list, req_context=req_context)
+        out = self.primary.prepare_store_checked(key_list, req_context)
         self._pull_primary_events()
         return out
 
@@ -784,11 +837,8 @@ class TieringOffloadingManager(OffloadingManager):
             primary.complete_store(key_list, success=success)
             self._pull_primary_events()
             return
-        lookup = primary.lookup
-        fresh = [k for k in key_list if lookup(k) is None]
-        primary.complete_store(key_list)
+        ready = primary.complete_store_ready(key_list)  # those made ready, once each
         self._pull_primary_events()
-        ready = [k for k in fresh if lookup(k) is True]
         if not ready:
             return
         slots = cast("Mapping[bytes, int]", primary.slots)
@@ -904,12 +954,27 @@ class TieringOffloadingManager(OffloadingManager):
         return self.primary.config_info() + [tier.config_info() for tier in self.tiers]
 
     def metrics(self) -> dict[str, Any]:
-        """Counters (totals) per tier and of the primary tier."""
+        """Counters (totals) per tier and of the primary tier.
+
+        ``"primary"``: ``blocks``, ``free_blocks``, ``promotions_without_space``, the keys
+        looked up in it by any lookup call (``lookups``, the sum of ``lookup_hits``: ready
+        there, ``lookup_pending``: being written there, ``lookup_misses``: not there) and the
+        primary's own counters (:meth:`CPUOffloadingManager.counters`: ``stored_blocks``,
+        ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``). Each
+        tier by name: its state, usage, :class:`~tiering.tier.TierMetrics` counters and its
+        backend's stats."""
+        hits, pending = self.primary_lookup_hits, self.primary_lookup_pending
+        misses = self.primary_lookup_misses
         out: dict[str, Any] = {
             "primary": {
                 "blocks": len(self.primary),
                 "free_blocks": self.primary.num_free_blocks,
                 "promotions_without_space": self.promotions_without_space,
+                "lookups": hits + pending + misses,
+                "lookup_hits": hits,
+                "lookup_pending": pending,
+                "lookup_misses": misses,
+                **self.primary.counters(),
             }
         }
         for tier in self.tiers:
@@ -1070,6 +1135,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _finish_close(self) -> None:
         self._closed = True
+        self._lookup_guarded = True
         self._io.close()
         self.primary.shutdown()
         # Keep no view of the pool: its owner may unmap it next (vLLM's shared offload region

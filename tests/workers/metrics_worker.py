@@ -3,11 +3,13 @@
 Usage: PROMETHEUS_MULTIPROC_DIR=DIR python metrics_worker.py NUM_BLOCKS
 
 It builds a manager (a CPU primary tier of 2 blocks over a memory tier), stores NUM_BLOCKS
-blocks, copies the metrics once and exits.
+blocks, copying the metrics after the first and at the end, prints the memory tier's store
+latency record (bucket counts and total, JSON) and exits.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 from tiering.config import build_manager, parse_config
@@ -33,7 +35,11 @@ def main() -> None:
             assert out is not None
             manager.complete_store(out.keys_to_store)
             manager.wait_idle()
+            if i == 0:
+                exporter.update()  # a copy between jobs: the next one copies what changed
         exporter.close()
+        record = manager.tiers[0].metrics.store_latency_s
+        print(json.dumps({"bucket_counts": record.bucket_counts, "total_s": record.total_s}))
     finally:
         manager.shutdown()
 

@@ -2,11 +2,11 @@
 
 Nothing here runs on the protocol's hot path. The manager and its tiers keep plain integer
 counters (``manager.metrics()``, each tier's ``TierMetrics``, each backend's ``BackendStats``)
-and per-job latency samples; :func:`read_samples` reads them when asked (at a Prometheus
-scrape, or on an exporter's timer) and :class:`LatencyCursor` hands out the latency samples
-recorded since its last call. Reading from another thread is safe: every value read is one
-attribute, one ``len()`` or one slice of a list, each atomic under the GIL, and nothing is
-written.
+and each tier's job latencies in fixed memory (:class:`~tiering.latency.LatencyRecord`, with
+exact histogram buckets); :func:`read_samples` and :func:`latency_records` read them when asked
+(at a Prometheus scrape, or on an exporter's timer). Reading from another thread is safe: every
+value read is one attribute, one ``len()`` or one copy of a list, each atomic under the GIL,
+and nothing is written.
 
 Every metric is labelled with ``tier`` (the tier's name; ``primary`` for the CPU tier) and
 ``medium`` (``CPU``, or the tier's medium). ``docs/metrics.md`` lists them all; a test checks
@@ -19,39 +19,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from tiering.latency import LATENCY_BUCKETS_S, LatencyRecord
+
 __all__ = [
     "CATALOGUE",
     "LATENCY_BUCKETS_S",
     "PRIMARY_TIER",
-    "LatencyCursor",
     "MetricSpec",
     "Sample",
+    "latency_records",
     "read_samples",
 ]
 
 #: The ``tier`` label of the CPU primary tier.
 PRIMARY_TIER = "primary"
-#: Buckets of the job latency histograms: 50 us to 10 s (a promotion or store job of a batch).
-LATENCY_BUCKETS_S = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
-
 Kind = Literal["counter", "gauge", "histogram"]
 
 
@@ -74,13 +55,29 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("tiering_inflight_jobs", "gauge", "Promotion and store jobs in flight."),
     # -- lookups -------------------------------------------------------------------------------
     MetricSpec(
+        "tiering_lookups",
+        "counter",
+        "Keys looked up in the primary tier, by any lookup call (primary only).",
+    ),
+    MetricSpec(
         "tiering_lookup_hits",
         "counter",
-        "Lookups of a key absent from the primary that found it ready in this tier.",
+        "Keys a lookup found ready in the tier (a secondary tier: absent from the primary).",
+    ),
+    MetricSpec(
+        "tiering_lookup_misses",
+        "counter",
+        "Keys a lookup did not find in the primary tier (primary only; the secondary tiers "
+        "are asked next).",
     ),
     # -- data moved ----------------------------------------------------------------------------
     MetricSpec("tiering_store_jobs", "counter", "Store (write) jobs started to the tier."),
     MetricSpec("tiering_stored_blocks", "counter", "Blocks written to the tier and published."),
+    MetricSpec(
+        "tiering_loaded_blocks",
+        "counter",
+        "Blocks the engine loaded from the primary tier (prepare_load; primary only).",
+    ),
     MetricSpec("tiering_promotions", "counter", "Promotion jobs (tier to primary) started."),
     MetricSpec("tiering_promoted_blocks", "counter", "Blocks promoted from the tier."),
     MetricSpec(
@@ -99,6 +96,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "tiering_full_retries", "counter", "Writes retried after the backend reported full."
+    ),
+    MetricSpec(
+        "tiering_stores_below_threshold",
+        "counter",
+        "Blocks offered to the primary tier and not stored: offered fewer than "
+        "store_threshold times (primary only).",
     ),
     MetricSpec(
         "tiering_failures",
@@ -207,10 +210,25 @@ def read_samples(manager: ManagerLike) -> Iterator[Sample]:
     counters = manager.metrics()
     primary = counters["primary"]
     labels = (PRIMARY_TIER, str(manager.primary.medium))
+    row_bytes = manager.row_bytes
     yield Sample("tiering_capacity_blocks", labels, manager.primary.num_blocks)
     yield Sample("tiering_used_blocks", labels, primary["blocks"])
-    yield Sample("tiering_block_bytes", labels, manager.row_bytes)
+    yield Sample("tiering_block_bytes", labels, row_bytes)
     yield Sample("tiering_promotions_without_space", labels, primary["promotions_without_space"])
+    for name, key in (
+        ("tiering_lookups", "lookups"),
+        ("tiering_lookup_hits", "lookup_hits"),
+        ("tiering_lookup_misses", "lookup_misses"),
+        ("tiering_stored_blocks", "stored_blocks"),
+        ("tiering_loaded_blocks", "loaded_blocks"),
+        ("tiering_evicted_blocks", "evicted_blocks"),
+        ("tiering_stores_below_threshold", "stores_skipped"),
+    ):
+        yield Sample(name, labels, primary[key])
+    # Each block the engine stores or loads is one pool row, copied whole.
+    yield Sample("tiering_written_bytes", labels, primary["stored_blocks"] * row_bytes)
+    yield Sample("tiering_read_bytes", labels, primary["loaded_blocks"] * row_bytes)
+    yield Sample("tiering_failures", (*labels, "store"), primary["failed_stores"])
     for tier in manager.tiers:
         yield from _tier_samples(tier, counters[tier.name], manager.row_bytes)
 
@@ -264,30 +282,12 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
         yield Sample("tiering_backend_results", (*labels, result), backend[key])
 
 
-class LatencyCursor:
-    """Hands out each tier's job latency samples recorded since the last call.
-
-    Today a tier appends every job's latency to a list (``TierMetrics.load_latency_s`` and
-    ``store_latency_s``); the cursor remembers how far it has read each list, so each sample
-    is handed out once and a scrape costs the samples since the previous one.
-    """
-
-    def __init__(self) -> None:
-        self._read: dict[tuple[str, str], int] = {}
-
-    def new_samples(self, manager: ManagerLike) -> Iterator[tuple[tuple[str, ...], list[float]]]:
-        """``((tier, medium, op), samples)`` for every tier and op, op ``load`` or ``store``."""
-        for tier in manager.tiers:
-            for op, samples in (
-                ("load", tier.metrics.load_latency_s),
-                ("store", tier.metrics.store_latency_s),
-            ):
-                done = self._read.get((tier.name, op), 0)
-                if len(samples) < done:  # the list was replaced (a reset): start over
-                    done = 0
-                fresh = samples[done:]
-                self._read[(tier.name, op)] = done + len(fresh)
-                yield (tier.name, tier.medium, op), fresh
+def latency_records(manager: ManagerLike) -> Iterator[tuple[tuple[str, str, str], LatencyRecord]]:
+    """``((tier, medium, op), record)`` of every secondary tier's job latencies, op ``load`` or
+    ``store``; each record's counts are cumulative since the tier was built."""
+    for tier in manager.tiers:
+        yield (tier.name, tier.medium, "load"), tier.metrics.load_latency_s
+        yield (tier.name, tier.medium, "store"), tier.metrics.store_latency_s
 
 
 def spec(name: str) -> MetricSpec:

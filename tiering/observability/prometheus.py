@@ -43,8 +43,8 @@ from tiering.errors import ConfigurationError
 from tiering.observability.metrics import (
     CATALOGUE,
     LATENCY_BUCKETS_S,
-    LatencyCursor,
     ManagerLike,
+    latency_records,
     read_samples,
 )
 
@@ -62,44 +62,42 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BASE_LABELS = ("tier", "medium")
 
 
-class _LatencyHistogram:
-    """Cumulative bucket counts of one histogram series (the collector's own state)."""
+def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (the last one above every bound) as Prometheus' cumulative ``le``
+    buckets."""
+    out, running = [], 0
+    for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), counts, strict=True):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+    return out
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one is +Inf
-        self.sum_s = 0.0
 
-    def observe(self, samples: list[float]) -> None:
-        for value in samples:
-            index = next(
-                (i for i, bound in enumerate(LATENCY_BUCKETS_S) if value <= bound),
-                len(LATENCY_BUCKETS_S),
-            )
-            self.counts[index] += 1
-            self.sum_s += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-        return out
+def _add_to_histogram(series: Any, bucket_deltas: list[int], sum_delta_s: float) -> None:
+    """Add counts already sorted into :data:`LATENCY_BUCKETS_S` to one ``prometheus_client``
+    histogram series (the same buckets). ``prometheus_client`` has only ``observe(value)``,
+    one sample at a time, and the tiers keep counts, not samples (fixed memory): so its
+    per-bucket values and its sum are increased directly (``Histogram._buckets`` / ``_sum``,
+    stable since prometheus_client 0.4; tests/test_metrics.py checks the exported counts)."""
+    buckets = series._buckets
+    # The last bucket counts values above every bound: prometheus_client's own +Inf bucket.
+    assert len(buckets) == len(bucket_deltas), "histogram buckets differ from the tiers'"
+    for bucket, delta in zip(buckets, bucket_deltas, strict=True):
+        if delta:
+            bucket.inc(delta)
+    series._sum.inc(sum_delta_s)
 
 
 class TieringCollector(Collector):
     """Reads ``manager``'s counters at each scrape. ``constant_labels`` (e.g.
     ``{"engine": "0"}``) are added to every series.
 
-    Latency histograms accumulate the samples recorded since the previous scrape; one collector
-    per manager (two would each see every sample).
+    Latency histograms are the tiers' own bucket counts (cumulative since each tier was built),
+    so any number of collectors may read one manager.
     """
 
     def __init__(self, manager: ManagerLike, constant_labels: dict[str, str] | None = None) -> None:
         self.manager = manager
         self.constant_labels = dict(constant_labels or {})
-        self._cursor = LatencyCursor()
-        self._histograms: dict[tuple[str, ...], _LatencyHistogram] = {}
-        self._lock = threading.Lock()  # two scrapes at once must not share a cursor step
 
     def collect(self) -> Iterator[Metric]:
         extra_names = tuple(self.constant_labels)
@@ -117,15 +115,12 @@ class TieringCollector(Collector):
                 )
         for sample in read_samples(self.manager):
             families[sample.name].add_metric([*sample.labels, *extra_values], sample.value)
-        with self._lock:
-            for labels, samples in self._cursor.new_samples(self.manager):
-                histogram = self._histograms.setdefault(labels, _LatencyHistogram())
-                histogram.observe(samples)
-            latency = families["tiering_job_latency_seconds"]
-            for labels, histogram in self._histograms.items():
-                latency.add_metric(
-                    [*labels, *extra_values], histogram.buckets(), sum_value=histogram.sum_s
-                )
+        latency = families["tiering_job_latency_seconds"]
+        for labels, record in latency_records(self.manager):
+            counts = list(record.bucket_counts)  # one copy: the buckets agree with each other
+            latency.add_metric(
+                [*labels, *extra_values], _cumulative_buckets(counts), sum_value=record.total_s
+            )
         yield from families.values()
 
     def describe(self) -> Iterator[Metric]:
@@ -171,7 +166,8 @@ class MultiprocessExporter:
                     spec.name, spec.help, names, registry=None, buckets=LATENCY_BUCKETS_S
                 )
         self._copied: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._cursor = LatencyCursor()
+        # Per latency series: the bucket counts and the sum copied so far.
+        self._copied_latency: dict[tuple[str, ...], tuple[list[int], float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -196,10 +192,13 @@ class MultiprocessExporter:
                     metric.inc(delta)
                     self._copied[key] = sample.value
             latency = self._metrics["tiering_job_latency_seconds"]
-            for labels, samples in self._cursor.new_samples(self.manager):
-                series = latency.labels(*labels, *extra)
-                for value in samples:
-                    series.observe(value)
+            for labels, record in latency_records(self.manager):
+                counts, total_s = list(record.bucket_counts), record.total_s
+                copied, copied_s = self._copied_latency.get(labels, ([0] * len(counts), 0.0))
+                deltas = [now - before for now, before in zip(counts, copied, strict=True)]
+                if any(deltas):
+                    _add_to_histogram(latency.labels(*labels, *extra), deltas, total_s - copied_s)
+                    self._copied_latency[labels] = (counts, total_s)
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

@@ -21,6 +21,7 @@ The ghost lists are trimmed from their oldest end so that ``|T1| + |B1| <= capac
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 
@@ -39,7 +40,8 @@ __all__ = ["ARCPolicy"]
 class ARCPolicy(EvictionPolicy):
     """Adaptive Replacement Cache over T1/T2 with ghost lists B1/B2 and adaptive target ``p``.
 
-    Victim search skips pinned keys in O(1) amortized time (see :mod:`tiering.policies._order`).
+    A victim search never meets a pinned key: O(log n) per victim at most (see
+    :mod:`tiering.policies._order`).
     """
 
     name = "arc"
@@ -103,10 +105,10 @@ class ARCPolicy(EvictionPolicy):
         yield from t2
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
-        check_insert_key(key)
-        if key in self:
-            raise KeyError(key)
+        if type(key) is not bytes:
+            check_insert_key(key)
         b1, b2 = self._b1, self._b2
+        # Ghosts and held keys are disjoint: a ghost hit needs no presence check.
         if key in b1:
             step = max(1.0, len(b2) / len(b1))
             self._target_t1_size = min(self._target_t1_size + step, float(self.capacity))
@@ -118,66 +120,116 @@ class ARCPolicy(EvictionPolicy):
             del b2[key]
             self._t2.add(key, evictable)
         else:
-            self._t1.add(key, evictable)
+            if key in self._t2 or not self._t1.add_new(key, evictable):
+                raise KeyError(key)
             self._trim_ghosts()
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        check_touch_keys(keys)
+    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        if set(map(type, keys)) - {bytes}:
+            for key in keys:
+                check_insert_key(key)
         t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
-            if key in t1:
-                if t1.is_evictable(key):
-                    t1.discard(key)
-                    t2.add(key, True)
-                else:
-                    t1.touch(key)
+        held = set(t1.held_of(keys)) | set(t2.held_of(keys))
+        if held or len(set(keys)) != len(keys):
+            raise KeyError(_first_held_or_repeated(keys, held))
+        # insert() key by key, with the lists' sizes kept here: ghost hits go to T2, other keys
+        # to T1, each trimming the ghosts as it would (a trim can drop a later key's ghost).
+        b1, b2 = self._b1, self._b2
+        capacity = self.capacity
+        t1_size, t2_size = t1.size, t2.size
+        p = self._target_t1_size
+        to_t1: list[bytes] = []
+        to_t2: list[bytes] = []
+        for key in keys:
+            if key in b1:
+                p = min(p + max(1.0, len(b2) / len(b1)), float(capacity))
+                del b1[key]
+                to_t2.append(key)
+                t2_size += 1
+            elif key in b2:
+                p = max(p - max(1.0, len(b1) / len(b2)), 0.0)
+                del b2[key]
+                to_t2.append(key)
+                t2_size += 1
             else:
-                t2.touch(key)  # absent and ghost keys are ignored: adaptation is at insert
+                to_t1.append(key)
+                t1_size += 1
+                held_size = t1_size + t2_size
+                if t1_size + len(b1) > capacity or held_size + len(b1) + len(b2) > 2 * capacity:
+                    while b1 and t1_size + len(b1) > capacity:
+                        b1.popitem(last=False)
+                    while b2 and held_size + len(b1) + len(b2) > 2 * capacity:
+                        b2.popitem(last=False)
+                    while b1 and held_size + len(b1) > 2 * capacity:
+                        b1.popitem(last=False)
+        self._target_t1_size = p
+        t1.add_all(to_t1, evictable)
+        t2.add_all(to_t2, evictable)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        # Absent and ghost keys are ignored: adaptation is at insert.
+        self._t1.touch_all_promoting(keys, self._t2)
 
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not (self._t1.set_evictable(key, evictable) or self._t2.set_evictable(key, evictable)):
             raise KeyError(key)
+
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        t1, t2 = self._t1, self._t2
+        changed_t1, rest = t1.set_evictable_each(keys, evictable)
+        if not rest:
+            return
+        changed_t2, absent = t2.set_evictable_each(rest, evictable)
+        if absent:
+            t1.set_evictable_each(changed_t1, not evictable)
+            t2.set_evictable_each(changed_t2, not evictable)
+            raise KeyError(absent[0])
 
     def remove(self, key: bytes) -> None:
         if not self._t1.discard(key):
             self._t2.discard(key)
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
-        check_evict_count(n)
-        guard = protected_set(protected)
+        if type(n) is not int or n < 0:
+            check_evict_count(n)
+        guard = protected if type(protected) is set else protected_set(protected)
         if n == 0:
             return []
-        if n > self._t1.evictable_count + self._t2.evictable_count:
-            return None  # hopeless: fail before any search
         t1, t2 = self._t1, self._t2
-        victims: list[bytes] = []
-        to_b1: list[bytes] = []
-        to_b2: list[bytes] = []
-        found_all = False
+        if n > t1.evictable_count + t2.evictable_count:
+            return None  # hopeless: fail before any search
+        # One victim at a time: from T1 while |T1| > p (|T1| shrinks with each T1 victim; p
+        # does not change), else from T2; a list with nothing evictable left gives way to the
+        # other. Taken in runs, that is: T1 until |T1| <= p, then T2, then T1 again.
+        t1_size = t1.size
+        p = self._target_t1_size
+        from_t1 = min(n, t1_size - math.floor(p)) if t1_size > p else 0
         try:
-            for _ in range(n):
-                # len(t1) already excludes the victims taken so far in this call.
-                from_t1 = len(t1) > self._target_t1_size
-                key = (t1 if from_t1 else t2).pop_oldest(guard)
-                if key is None:  # nothing evictable there: take from the other list
-                    from_t1 = not from_t1
-                    key = (t1 if from_t1 else t2).pop_oldest(guard)
-                    if key is None:
-                        break
-                victims.append(key)
-                (to_b1 if from_t1 else to_b2).append(key)
-            else:
-                found_all = True
-        finally:
-            t1.end_search(undo=not found_all)
-            t2.end_search(undo=not found_all)
+            to_b1 = t1.take(from_t1, guard) if from_t1 else []
+            to_b2 = t2.take(n - len(to_b1), guard)
+            short = n - len(to_b1) - len(to_b2)
+            more_b1 = t1.take(short, guard) if short else []
+        except BaseException:
+            t1.end_search(undo=True)
+            t2.end_search(undo=True)
+            raise
+        found_all = len(more_b1) == short
+        t1.end_search(undo=not found_all)
+        t2.end_search(undo=not found_all)
         if not found_all:
             return None
-        for ghosts, keys in ((self._b1, to_b1), (self._b2, to_b2)):
-            for key in keys:
-                ghosts[key] = None
+        b1 = self._b1
+        for key in to_b1:
+            b1[key] = None
+        for key in more_b1:
+            b1[key] = None
+        b2 = self._b2
+        for key in to_b2:
+            b2[key] = None
         self._trim_ghosts()
-        return victims
+        return to_b1 + to_b2 + more_b1
 
     def clear(self) -> None:
         self._t1.clear()
@@ -190,7 +242,8 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         capacity, b1, b2 = self.capacity, self._b1, self._b2
-        t1_size, held = len(self._t1), len(self._t1) + len(self._t2)
+        t1_size = self._t1.size
+        held = t1_size + self._t2.size
         if t1_size + len(b1) <= capacity and held + len(b1) + len(b2) <= 2 * capacity:
             return  # the usual case: nothing to trim
         while b1 and t1_size + len(b1) > capacity:
@@ -199,3 +252,12 @@ class ARCPolicy(EvictionPolicy):
             b2.popitem(last=False)
         while b1 and held + len(b1) > 2 * capacity:
             b1.popitem(last=False)
+
+
+def _first_held_or_repeated(keys: Sequence[bytes], held: set[bytes]) -> bytes:
+    listed: set[bytes] = set()
+    for key in keys:
+        if key in held or key in listed:
+            return key
+        listed.add(key)
+    raise AssertionError("no key is held or listed twice")

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar
 
+from tiering.policies._checks import check_insert_key
+
 __all__ = ["EvictionPolicy"]
 
 
@@ -27,12 +29,16 @@ class EvictionPolicy(ABC):
       :meth:`evict` removes keys, so a tier may briefly hold more than ``capacity`` keys if it
       chooses to.
     - :meth:`insert` adds a key that is absent; inserting a present key raises ``KeyError``.
+    - :meth:`insert_many` and :meth:`set_evictable_many` are the batch forms of :meth:`insert`
+      and :meth:`set_evictable` (the same result as one call per key, in order); each checks
+      every key before it changes anything. A manager calls them once per protocol call, so a
+      policy that overrides them saves a Python call per key; the defaults loop.
     - :meth:`touch` marks keys as used, the *first* key of the list ending most recent (a
       prefix's first block is the most valuable). Absent keys are ignored.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
-      in ``protected``. Its cost is O(1) amortized per victim, also when the oldest keys are
-      pinned.
+      in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
+      no call pays at once for pinned keys that piled up at the oldest end.
     - No method blocks or does I/O; none is thread-safe.
     """
 
@@ -60,6 +66,19 @@ class EvictionPolicy(ABC):
     def insert(self, key: bytes, evictable: bool = True) -> None:
         """Add an absent ``key`` as the most recently used. Raises ``KeyError`` if present."""
 
+    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        """:meth:`insert` each key in order (the last ends most recent). Raises KeyError naming
+        the first key that is present or listed twice, InvalidKeyError for one that is not
+        ``bytes``; either way before inserting any."""
+        listed: set[bytes] = set()
+        for key in keys:
+            check_insert_key(key)
+            if key in self or key in listed:
+                raise KeyError(key)
+            listed.add(key)
+        for key in keys:
+            self.insert(key, evictable)
+
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` as used; ``keys[0]`` ends most recent. Absent keys are ignored."""
@@ -67,6 +86,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         """Allow or forbid evicting a held ``key``. Raises ``KeyError`` if absent."""
+
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        """:meth:`set_evictable` for each key. Raises KeyError naming the first absent key,
+        having changed none."""
+        for key in keys:
+            if key not in self:
+                raise KeyError(key)
+        for key in keys:
+            self.set_evictable(key, evictable)
 
     @abstractmethod
     def remove(self, key: bytes) -> None:

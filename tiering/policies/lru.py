@@ -19,7 +19,8 @@ __all__ = ["LRUPolicy"]
 class LRUPolicy(EvictionPolicy):
     """Evicts the least recently used evictable key not protected by the caller.
 
-    Victim search skips pinned keys in O(1) amortized time (see :mod:`tiering.policies._order`).
+    A victim search never meets a pinned key: O(log n) per victim at most (see
+    :mod:`tiering.policies._order`).
     """
 
     name = "lru"
@@ -38,45 +39,67 @@ class LRUPolicy(EvictionPolicy):
         return iter(self._order)
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
-        check_insert_key(key)
-        if key in self._order:
+        if type(key) is not bytes:
+            check_insert_key(key)
+        if not self._order.add_new(key, evictable):
             raise KeyError(key)
-        self._order.add(key, evictable)
+
+    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        if set(map(type, keys)) - {bytes}:
+            for key in keys:
+                check_insert_key(key)
+        order = self._order
+        held = order.held_of(keys)
+        if held:
+            raise KeyError(held[0])
+        if not order.add_all(keys, evictable):
+            raise KeyError(_first_repeated(keys))
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        check_touch_keys(keys)
-        touch = self._order.touch
-        for key in reversed(keys):
-            touch(key)
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        self._order.touch_all(keys)
 
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not self._order.set_evictable(key, evictable):
             raise KeyError(key)
 
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        order = self._order
+        changed, absent = order.set_evictable_each(keys, evictable)
+        if absent:
+            order.set_evictable_each(changed, not evictable)
+            raise KeyError(absent[0])
+
     def remove(self, key: bytes) -> None:
         self._order.discard(key)
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
-        check_evict_count(n)
-        guard = protected_set(protected)
+        if type(n) is not int or n < 0:
+            check_evict_count(n)
+        guard = protected if type(protected) is set else protected_set(protected)
         if n == 0:
             return []
-        if n > self._order.evictable_count:
-            return None  # hopeless: fail before any search
         order = self._order
-        victims: list[bytes] = []
-        found_all = False
+        if n > order.evictable_count:
+            return None  # hopeless: fail before any search
         try:
-            for _ in range(n):
-                key = order.pop_oldest(guard)
-                if key is None:
-                    break
-                victims.append(key)
-            else:
-                found_all = True
-        finally:
-            order.end_search(undo=not found_all)
+            victims = order.take(n, guard)
+        except BaseException:
+            order.end_search(undo=True)
+            raise
+        found_all = len(victims) == n
+        order.end_search(undo=not found_all)
         return victims if found_all else None
 
     def clear(self) -> None:
         self._order.clear()
+
+
+def _first_repeated(keys: Sequence[bytes]) -> bytes:
+    listed: set[bytes] = set()
+    for key in keys:
+        if key in listed:
+            return key
+        listed.add(key)
+    raise AssertionError("no key is listed twice")

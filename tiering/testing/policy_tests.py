@@ -21,7 +21,9 @@ Subclass it in a test module (the class name must start with ``Test``) and overr
             return MyPolicy
 
 What it checks (the contract in :mod:`tiering.policies.base`): container behaviour (``len``,
-``in``, iteration), ``KeyError`` on a duplicate insert with no state changed, typed errors for
+``in``, iteration), ``KeyError`` on a duplicate insert with no state changed, the batch forms
+(``insert_many``, ``set_evictable_many``) equal to their one-key calls and checking every key
+before changing anything, typed errors for
 bad keys and counts, ``touch`` order, pinned (non-evictable) and protected keys never evicted,
 all-or-nothing ``evict``, ``remove`` and ``clear``, and that evicting past thousands of pinned
 keys is not a scan. Requires pytest.
@@ -198,6 +200,83 @@ class PolicyTests:
     def test_negative_capacity_rejected(self, policy_factory: PolicyFactory) -> None:
         with pytest.raises(ValueError, match="capacity"):
             policy_factory(-1)
+
+    # -- batch forms ------------------------------------------------------------------------
+
+    def _history(self, policy: EvictionPolicy) -> list[bytes]:
+        """A policy with evictions, touches and a pin behind it (ARC: ghosts in B1 and B2)."""
+        keys = fill(policy, 6)
+        policy.touch([keys[4], keys[5]])
+        policy.evict(3)
+        policy.set_evictable(keys[3], False)
+        return keys
+
+    @pytest.mark.parametrize("evictable", [True, False])
+    def test_insert_many_is_insert_one_by_one(
+        self, policy_factory: PolicyFactory, evictable: bool
+    ) -> None:
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = self._history(policy)
+        self._history(twin)
+        batch = [keys[0], policy_key(10), keys[1], policy_key(11), keys[2], policy_key(12)]
+        policy.insert_many(batch, evictable)
+        for key in batch:
+            twin.insert(key, evictable)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+        assert policy_state(policy) == policy_state(twin)
+
+    @pytest.mark.parametrize(
+        ("batch", "error", "match"),
+        [
+            ([policy_key(10), policy_key(4)], KeyError, "key-00004"),  # present
+            ([policy_key(10), policy_key(3)], KeyError, "key-00003"),  # present, pinned
+            ([policy_key(10), policy_key(11), policy_key(10)], KeyError, "key-00010"),  # twice
+            ([policy_key(10), "key"], InvalidKeyError, "must be bytes"),
+        ],
+    )
+    def test_insert_many_checks_every_key_before_inserting_any(
+        self,
+        policy_factory: PolicyFactory,
+        batch: list[bytes],
+        error: type[Exception],
+        match: str,
+    ) -> None:
+        policy, twin = policy_factory(6), policy_factory(6)
+        self._history(policy)
+        self._history(twin)
+        with pytest.raises(error, match=match):
+            policy.insert_many(batch)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+
+    @pytest.mark.parametrize("evictable", [True, False])
+    def test_set_evictable_many_is_set_evictable_one_by_one(
+        self, policy_factory: PolicyFactory, evictable: bool
+    ) -> None:
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = self._history(policy)
+        self._history(twin)
+        batch = [key for key in keys if key in policy]  # pinned and evictable ones
+        policy.set_evictable_many(batch, evictable)
+        for key in batch:
+            twin.set_evictable(key, evictable)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+
+    @pytest.mark.parametrize("evictable", [True, False])
+    def test_set_evictable_many_with_an_absent_key_changes_nothing(
+        self, policy_factory: PolicyFactory, evictable: bool
+    ) -> None:
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = self._history(policy)
+        self._history(twin)
+        batch = [key for key in keys if key in policy] + [policy_key(99)]
+        with pytest.raises(KeyError, match="key-00099"):
+            policy.set_evictable_many(batch, evictable)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+        assert policy_state(policy) == policy_state(twin)
 
     # -- touch ------------------------------------------------------------------------------
 
