@@ -36,9 +36,12 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     (
         "bench_file_tier",
-        "File tier against raw batched pwritev/preadv",
+        "File tier against raw pwritev/preadv and one file per block",
         "FileBackend puts and cold gets from and into pool rows, against raw batched "
-        "pwritev/preadv (and O_DIRECT) on the same file (target: 0.8 or better).",
+        "pwritev/preadv on one file and against one file per block (vLLM's file-system tier), "
+        "page cache dropped per file before cold reads (targets: durable writes, O_DIRECT cold "
+        "reads and buffered writes in both steady states 0.8 or better, buffered cold reads 0.9 "
+        "or better).",
         (),
     ),
     (
