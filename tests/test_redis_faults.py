@@ -191,8 +191,15 @@ async def test_eviction_under_maxmemory_is_misses(tmp_path: Path) -> None:
                 assert outcomes == [OK] * 8
             out = _buffers(64, size)
             outcomes = await backend.get(keys, out)
-            assert set(outcomes) == {OK, MISSING}
+            # Redis may evict every block of the flood (its own buffers count against
+            # maxmemory too): each is a miss, none an error or corrupt.
+            assert set(outcomes) <= {OK, MISSING}
             assert outcomes.count(MISSING) >= 40  # at most 4 MiB of the 16 stayed
+            # A block written after the flood is served (reads never evict), bit-exact.
+            late = _keys(1, "after-the-flood")
+            assert await backend.put(late, values[:1]) == [OK]
+            (after,) = _buffers(1, size)
+            assert await backend.get(late, [after]) == [OK] and after == values[0]
             for got, want, outcome in zip(out, values, outcomes, strict=True):
                 if outcome is OK:
                     assert got == want

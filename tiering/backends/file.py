@@ -32,10 +32,12 @@ Writes
 Reads
     ``get`` reads each run of neighbouring slots with one ``os.preadv`` (header areas into
     small buffers, payloads straight into the caller's buffers) and verifies header, stamp,
-    key, fingerprint and payload checksum on the caller's bytes. A buffered get reads in chunks
-    of at most 8 MiB on one lane, in slot order, so readahead keeps working (O_DIRECT gets take
-    ``batch_blocks`` slots per chunk on every lane: bigger calls, deeper device queue). A
-    failed call is retried slot by slot, as for writes. A slot being read
+    key, fingerprint and payload checksum on the caller's bytes, right after each run's read
+    (the bytes are still in the CPU cache). A buffered get reads in chunks of at most 8 MiB on
+    one lane, in slot order, so the kernel's readahead keeps the device busy while the lane
+    checksums (O_DIRECT gets take ``batch_blocks`` slots per chunk on every lane: bigger
+    calls, deeper device queue). A failed call
+    is retried slot by slot, as for writes. A slot being read
     is pinned: it is not invalidated or reused until the read finishes, so a concurrent put or
     delete of the same key never tears a read. A block that does not verify is counted,
     dropped from the index, its header zeroed on disk, and reported ``CORRUPT``. A read error
@@ -47,16 +49,22 @@ O_DIRECT
     per-thread bounce buffer (``mmap``), which costs one extra memcpy per block (~0.1 ms per
     MiB here) and is counted in ``stats.extra["o_direct_bounces"]``. Note that torch's CPU
     allocator aligns tensors to 64 bytes only: a pool meant for O_DIRECT should be carved out
-    at a 4096-byte boundary. Whether O_DIRECT pays is a property of the machine: see
+    at a 4096-byte boundary (:class:`tiering.pool.CPUBlockPool` rows are). A run of
+    neighbouring bounced slots moves with one call through up to 8 MiB of bounce area per
+    thread. Whether O_DIRECT pays is a property of the machine: see
     ``benchmarks/bench_file_tier.py``.
 
 Durability
     ``durability="none"`` acknowledges a put once its bytes are in the page cache (they survive
     a process crash, not a power loss); ``"fsync"`` runs one ``fdatasync`` after all the put's
-    writes and acknowledges only after it succeeds. An fsync error is fatal for the keys it covers
-    (the kernel may have dropped their pages; a retried fsync could falsely succeed): they are
-    ``FAILED`` and never visible. Because one file descriptor is shared, a failed fsync in
-    one put also fails every put whose writes overlapped it. ``close`` always flushes.
+    writes and acknowledges only after it succeeds. Meanwhile each run's writeback is started
+    as soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, a hint that waits for
+    nothing and promises nothing), so the device works while later runs are checksummed and
+    copied and the ``fdatasync`` has less left to wait for. An fsync error is fatal for the
+    keys it covers (the kernel may have dropped their pages; a retried fsync could falsely
+    succeed): they are ``FAILED`` and never visible. Because one file descriptor is shared, a
+    failed fsync in one put also fails every put whose writes overlapped it. ``close`` always
+    flushes.
 
 Concurrency and cancellation
     The index and the free list live on the event loop; threads only move bytes. Two puts of
@@ -188,6 +196,7 @@ _SEQ = struct.Struct("<Q")
 _SCAN_SLOTS_PER_TASK = 256
 _READ_TASK_BYTES = 8 << 20  # the most one read chunk moves (see _read_task_slots)
 _WRITE_CHUNK_BYTES = 4 << 20  # the most one write chunk moves (see _write_chunk_slots)
+_BOUNCE_BYTES = 8 << 20  # the most one O_DIRECT run of bounced slots moves (see _bounce_run)
 _MAX_BLOCK_BYTES = 1 << 30  # one pwritev moves at most ~2 GiB on Linux
 _MAX_IO_THREADS = 64
 _MAX_BATCH_BLOCKS = 1024
@@ -272,23 +281,30 @@ class _ScanResult:
 
 
 class _Scratch:
-    """Per-thread aligned buffers: header areas for one run of slots and, lazily, a padded
-    payload (the O_DIRECT bounce buffer and the recovery scan's payload) and a pad sink."""
+    """Per-thread aligned buffers: header areas for one run of slots and, lazily, padded
+    payload areas for ``payload_slots`` slots (the O_DIRECT bounce buffer of one run; the
+    recovery scan uses the first) and a pad sink."""
 
-    def __init__(self, max_run: int, payload_area_bytes: int, pad_bytes: int) -> None:
+    def __init__(
+        self, max_run: int, payload_area_bytes: int, pad_bytes: int, payload_slots: int
+    ) -> None:
         self._payload_area_bytes = payload_area_bytes
+        self._payload_slots = payload_slots
         self._areas = memoryview(mmap.mmap(-1, max_run * HEADER_AREA_BYTES))
-        self._payload: memoryview | None = None
+        self._payloads: memoryview | None = None
         self.pad_sink = memoryview(bytearray(pad_bytes))
 
     def area(self, i: int) -> memoryview:
         return self._areas[i * HEADER_AREA_BYTES : (i + 1) * HEADER_AREA_BYTES]
 
-    @property
-    def payload(self) -> memoryview:
-        if self._payload is None:
-            self._payload = memoryview(mmap.mmap(-1, self._payload_area_bytes))
-        return self._payload
+    def payload(self, i: int) -> memoryview:
+        """The ``i``-th padded payload area (0 <= i < payload_slots), page-aligned."""
+        if self._payloads is None:
+            self._payloads = memoryview(
+                mmap.mmap(-1, self._payload_slots * self._payload_area_bytes)
+            )
+        size = self._payload_area_bytes
+        return self._payloads[i * size : (i + 1) * size]
 
 
 class _SlotTable:
@@ -385,8 +401,9 @@ class FileBackend(StorageBackend):
         chunks over all of them: checksumming and copying into the page cache are CPU work,
         and two threads write at ~0.95x of raw ``pwritev`` here where one reaches ~0.85x. A
         buffered get reads on one thread (one sequential stream keeps the kernel's readahead:
-        two streams side by side fell to ~0.7x of raw ``preadv``); concurrent gets and puts
-        use the other threads. An ``O_DIRECT`` get uses all of them.
+        two streams side by side fell to ~0.7x of raw ``preadv``, and two threads taking turns
+        on one stream to ~0.4-0.8x on this loaded VM); concurrent gets and puts use the other
+        threads. An ``O_DIRECT`` get uses all of them.
     batch_blocks:
         Slots per chunk: neighbouring slots of a chunk move with one ``pwritev``/``preadv``.
         With ``durability="fsync"`` a put ends with one fdatasync, after all its writes.
@@ -493,14 +510,24 @@ class FileBackend(StorageBackend):
             else max(1, min(batch_blocks, _READ_TASK_BYTES // self.slot_bytes))
         )
         # A buffered get is one sequential stream: a second stream beside it defeats the
-        # kernel's readahead (cold reads fell from ~0.95x to ~0.7x of raw preadv). O_DIRECT has
-        # no readahead, and two streams keep the device busier (~0.97x vs ~0.9x measured).
+        # kernel's readahead (cold reads fell from ~0.95x to ~0.7x of raw preadv), and two
+        # lanes taking turns on one stream lost more to thread wake-ups than the checksums
+        # they overlapped (0.38x at 256 KiB under load). O_DIRECT has no readahead, and two
+        # streams keep the device busier (~0.97x vs ~0.9x measured).
         self._read_lanes = io_threads if o_direct else 1
         # A put checksums a chunk, then copies it: chunks small enough to stay in the cache
         # between the two passes read memory once (2 MiB blocks in chunks of 16 fell to ~0.8x).
         self._write_chunk_slots = max(1, min(batch_blocks, _WRITE_CHUNK_BYTES // self.slot_bytes))
+        # A durable put starts the writeback of each run as soon as it is written, so that the
+        # device works while the next runs are checksummed and copied; the put's one
+        # fdatasync then waits for less (durable puts ~1.3x faster than write-all-then-sync).
+        self._start_writeback = durability == "fsync" and not o_direct
         # Each slot of a run takes up to 3 iovecs; the kernel takes at most IOV_MAX per call.
         self._max_run = max(1, min(batch_blocks, os.sysconf("SC_IOV_MAX") // 3))
+        # O_DIRECT from unaligned buffers: a run of neighbouring slots goes through a per-thread
+        # bounce area of up to 8 MiB with one call, not one call per slot (one 256 KiB call at
+        # a time kept the device at ~0.6x of raw O_DIRECT reads).
+        self._bounce_run = max(1, min(self._max_run, _BOUNCE_BYTES // self._payload_area_bytes))
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._fd = -1
         self._dir_fd = -1
@@ -999,7 +1026,7 @@ class FileBackend(StorageBackend):
         if size < offset + self.block_bytes:
             raise CorruptBlockError("payload truncated")
         if verify:
-            payload = scratch.payload
+            payload = scratch.payload(0)
             if self._pread_all([payload], offset) < self.block_bytes:
                 raise CorruptBlockError("payload truncated")
             verify_block(
@@ -1250,7 +1277,9 @@ class FileBackend(StorageBackend):
     def _scratch(self) -> _Scratch:
         scratch: _Scratch | None = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = _Scratch(self._max_run, self._payload_area_bytes, self._pad_bytes)
+            scratch = _Scratch(
+                self._max_run, self._payload_area_bytes, self._pad_bytes, self._bounce_run
+            )
             self._local.scratch = scratch
         return scratch
 
@@ -1259,10 +1288,9 @@ class FileBackend(StorageBackend):
         run: list[_Job] = []
         for job in jobs:
             if run and (
-                job.bounce
-                or run[-1].bounce
+                job.bounce != run[-1].bounce
                 or job.slot != run[-1].slot + 1
-                or len(run) == self._max_run
+                or len(run) == (self._bounce_run if job.bounce else self._max_run)
             ):
                 yield run
                 run = []
@@ -1271,15 +1299,17 @@ class FileBackend(StorageBackend):
             yield run
 
     def _iovecs(self, run: list[_Job], scratch: _Scratch, pad: memoryview) -> list[memoryview]:
-        """[header area, payload, pad] per slot: the slots' bytes, contiguous in the file."""
+        """[header area, payload, pad] per slot: the slots' bytes, contiguous in the file. A
+        bounced slot's payload area is padded already."""
         iovecs: list[memoryview] = []
         for i, job in enumerate(run):
-            iovecs += [scratch.area(i), scratch.payload if job.bounce else job.view]
+            iovecs += [scratch.area(i), scratch.payload(i) if job.bounce else job.view]
             if self._pad_bytes and not job.bounce and i + 1 < len(run):
                 iovecs.append(pad)
         return iovecs
 
-    def _write_jobs(self, jobs: list[_Job]) -> list[BaseException | None]:
+    def _write_jobs(self, index: int, jobs: list[_Job]) -> list[BaseException | None]:
+        del index  # chunks are written in any order
         scratch = self._scratch()
         errors: list[BaseException | None] = []
         for run in self._runs(jobs):
@@ -1311,10 +1341,12 @@ class FileBackend(StorageBackend):
                 area[:HEADER_BYTES] = header
                 area[HEADER_BYTES:_STAMP_END] = _stamp(header, job.seq)
                 if job.bounce:
-                    scratch.payload[: self.block_bytes] = job.view
-            self._write_all(
-                self._iovecs(run, scratch, self._zero_pad), run[0].slot * self.slot_bytes
-            )
+                    scratch.payload(i)[: self.block_bytes] = job.view
+            offset = run[0].slot * self.slot_bytes
+            self._write_all(self._iovecs(run, scratch, self._zero_pad), offset)
+            if self._start_writeback:
+                with contextlib.suppress(OSError):  # a hint: the put's fdatasync decides
+                    self._ops.start_writeback(self._fd, offset, len(run) * self.slot_bytes)
         except Exception as exc:
             if len(run) == 1:
                 return [exc]
@@ -1322,14 +1354,18 @@ class FileBackend(StorageBackend):
             return [self._write_run([job], scratch)[0] for job in run]
         return [None] * len(run)
 
-    def _read_jobs(self, jobs: list[_Job]) -> list[BaseException | None]:
+    def _read_jobs(self, index: int, jobs: list[_Job]) -> list[BaseException | None]:
+        """Read and verify a chunk, each run verified right after its read (bytes in cache)."""
+        del index  # lanes read side by side (O_DIRECT) or there is one (buffered)
         scratch = self._scratch()
         errors: list[BaseException | None] = []
         for run in self._runs(jobs):
-            errors += self._read_run(run, scratch)
+            errors += self._verified(run, self._read_run(run, scratch))
         return errors
 
-    def _read_run(self, run: list[_Job], scratch: _Scratch) -> list[BaseException | None]:
+    def _read_run(self, run: list[_Job], scratch: _Scratch) -> list[BaseException | bytes]:
+        """Read a run of slots into the jobs' buffers; per slot, a copy of its header and stamp
+        (the scratch is reused by the next run), or why it cannot be used."""
         try:
             iovecs = self._iovecs(run, scratch, scratch.pad_sink)
             done = self._pread_all(iovecs, run[0].slot * self.slot_bytes)
@@ -1337,23 +1373,36 @@ class FileBackend(StorageBackend):
             if len(run) == 1:
                 return [exc]
             return [self._read_run([job], scratch)[0] for job in run]  # find the bad slot(s)
-        errors: list[BaseException | None] = []
+        reads: list[BaseException | bytes] = []
         for i, job in enumerate(run):
+            if done < i * self.slot_bytes + HEADER_AREA_BYTES + self.block_bytes:
+                reads.append(CorruptBlockError(f"slot {job.slot} truncated"))
+                continue
+            if job.bounce:
+                job.view[:] = scratch.payload(i)[: self.block_bytes]
+            reads.append(bytes(scratch.area(i)[:_STAMP_END]))
+        return reads
+
+    def _verified(
+        self, jobs: list[_Job], reads: list[BaseException | bytes]
+    ) -> list[BaseException | None]:
+        errors: list[BaseException | None] = []
+        for job, read in zip(jobs, reads, strict=True):
+            if isinstance(read, BaseException):
+                errors.append(read)
+                continue
             try:
-                if done < i * self.slot_bytes + HEADER_AREA_BYTES + self.block_bytes:
-                    raise CorruptBlockError(f"slot {job.slot} truncated")
-                self._verify_read(job, scratch.area(i), scratch)
+                self._verify_read(job, read)
                 errors.append(None)
             except Exception as exc:  # CorruptBlockError: this key only
                 errors.append(exc)
         return errors
 
-    def _verify_read(self, job: _Job, area: memoryview, scratch: _Scratch) -> None:
-        header = unpack_header(area[:HEADER_BYTES])
-        if _read_stamp(area) != job.seq:
+    def _verify_read(self, job: _Job, head: bytes) -> None:
+        """Check a slot read into ``job.view``; ``head``: its header area's header and stamp."""
+        header = unpack_header(head)
+        if _read_stamp(memoryview(head)) != job.seq:
             raise CorruptBlockError(f"slot {job.slot} holds another write of the key")
-        if job.bounce:
-            job.view[:] = scratch.payload[: self.block_bytes]
         verify_block(header, job.view, expected_key=job.key, expected_fingerprint=self.fingerprint)
 
     def _write_all(self, buffers: list[memoryview], offset: int) -> None:
@@ -1417,12 +1466,12 @@ class FileBackend(StorageBackend):
 
     async def _run_jobs(
         self,
-        work: Callable[[list[_Job]], list[BaseException | None]],
+        work: Callable[[int, list[_Job]], list[BaseException | None]],
         jobs: list[_Job],
         step: int,
         max_lanes: int,
     ) -> list[BaseException | None]:
-        """Run ``work`` on chunks of ``step`` jobs; one result per job, in order.
+        """Run ``work(index, chunk)`` on chunks of ``step`` jobs; one result per job, in order.
 
         Up to ``max_lanes`` lanes share the chunks, in order, each taking the next one free
         (:func:`tiering.backends.lanes.run_in_lanes`): one thread hand-off per lane rather than
@@ -1435,7 +1484,7 @@ class FileBackend(StorageBackend):
         chunks = [jobs[start : start + step] for start in range(0, len(jobs), step)]
 
         def run_chunk(index: int) -> list[BaseException | None]:
-            return work(chunks[index])
+            return work(index, chunks[index])
 
         parts = await run_in_lanes(
             self._pool, max_lanes, len(chunks), lambda: contextlib.nullcontext(run_chunk)

@@ -1,0 +1,43 @@
+"""benchmarks/run_all.py rewrites docs/benchmarks.md on every `make bench`: the tables are new,
+and the hand-written notes of each section (why a target is not met, what was tried) are kept."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+RUN_ALL = Path(__file__).resolve().parent.parent / "benchmarks" / "run_all.py"
+
+
+def load_run_all() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_rewrite_keeps_each_sections_notes_and_replaces_its_tables(tmp_path: Path) -> None:
+    run_all = load_run_all()
+    report = tmp_path / "benchmarks.md"
+    note_a = "<!-- notes -->\nWhy A is not met (run of 2026-11-23).\n\n- a list\n<!-- /notes -->"
+    report.write_text(
+        f"# Benchmarks\n\n## Section A\n\nabout\n\n| old table |\n\n{note_a}\n\n"
+        "## Section B\n\n| old B |\n\n## Gone\n\n<!-- notes -->\norphan\n<!-- /notes -->\n"
+    )
+    results = [("Section A", "about A", "cmd a", "| new table |", 1.0),
+               ("Section B", "about B", "cmd b", "| new B |", 2.0)]  # fmt: skip
+    run_all.write_markdown(report, results, False)
+    text = report.read_text()
+    assert "| old" not in text and "| new table |" in text and "| new B |" in text
+    section_a = text[text.index("## Section A") : text.index("## Section B")]
+    assert section_a.index("| new table |") < section_a.index(note_a)
+    assert "orphan" not in text and text.count("<!-- notes -->") == 1
+
+
+def test_a_first_report_has_no_notes(tmp_path: Path) -> None:
+    run_all = load_run_all()
+    report = tmp_path / "benchmarks.md"
+    run_all.write_markdown(report, [("A", "about", "cmd", "| t |", 1.0)], True)
+    assert "<!-- notes -->" not in report.read_text() and "run_all.py --quick" in report.read_text()
