@@ -15,20 +15,38 @@ order is the order of stamps. A key's stamp is kept wherever the key is:
 Unpinning a key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
 place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
-key), and a min-heap of ``(stamp, key)`` holds its true place. A heap entry is valid while
-``_main`` maps its key to its stamp (a use, a pin or an eviction since makes it stale; stale
-entries are skipped and compacted away).
+key), and its true place is kept elsewhere. ``_main`` maps a released key to ``~stamp``
+(negative), so that every call that takes a released key out of ``_main`` (a use, a pin, a
+discard, an eviction) sees it in the value it reads and drops that place too:
+
+- ``_rel``: an ``OrderedDict`` key -> stamp of the keys released in increasing stamp order (a
+  write-through hold lets keys go in the order they were stored: the usual case). It stays in
+  stamp order, and a key leaves it at once (O(1)) when it leaves ``_main``;
+- ``_heap``: a min-heap of ``(stamp, key)`` of the other released keys. An entry is valid while
+  ``_main`` maps its key to ``~stamp`` and the key is not in ``_rel`` (a key pinned and let go
+  again at the same stamp may go to ``_rel`` while its old entry is still in the heap); the
+  others are stale, left for a victim search to pop.
+
+Stale entries. ``_released`` counts the keys with a valid heap entry (exactly one each), so the
+heap holds ``len(_heap) - _released`` stale ones (a duplicate of a valid entry counts as stale).
+A call that makes entries stale compacts the heap once they outnumber three times the valid
+ones by more than a slack: the compaction costs O(entries), about 4/3 of the stale entries made
+since the last one, so each call pays O(1) amortized for the entries it made stale, and no
+victim search pops more stale entries than three times the valid ones in the heap (plus the
+slack), however many keys were pinned.
 
 Why this is exact. Stamps of the keys in their place increase along ``_main``, and a released
 key sits behind every key in its place that is older than it. So the oldest evictable key is the
-older of the heap's valid top and ``_main``'s head: if the head is released, the heap's top is
-at least as old (the head's own entry is there). A victim search (:meth:`take`) takes from
-those two; protected keys it meets are held aside and return released, as do the victims of a
-search the caller undoes: a search that fails changes nothing a caller can observe.
+oldest of ``_rel``'s head, the heap's valid top and ``_main``'s head: if the head is released,
+one of the other two is at least as old (the head's own place is there). A victim search
+(:meth:`take`) takes from those three; protected keys it meets are held aside and return
+released (to the heap), as do the victims of a search the caller undoes: a search that fails
+changes nothing a caller can observe.
 
-Cost. Adding, touching and pinning a key are O(1); unpinning is O(1) or one heap push; a victim
-is one ``popitem`` (with nothing released) or O(log n) heap work. No call does work that grows
-with the number of pinned keys.
+Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) or one heap
+push; a victim is one ``popitem`` (with nothing released), O(1) from ``_rel`` or O(log n) heap
+work. Keys released out of order and then pinned or used leave stale heap entries that a victim
+search may meet (bounded as above). No call does work that grows with the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -40,10 +58,11 @@ from operator import itemgetter
 
 __all__ = ["RecencyOrder"]
 
-# Compact the heap once its entries outnumber the valid ones of the last compaction by this
-# factor (plus a floor): O(1) amortized per push.
-_HEAP_SLACK_FACTOR = 2
-_HEAP_SLACK_MIN = 64
+# Compact the heap once its stale entries outnumber _STALE_FACTOR times the valid ones by more
+# than _STALE_SLACK: a compaction visits (1 + 1/_STALE_FACTOR) entries per stale one it drops
+# (each visit a dict probe), and small heaps are not worth compacting.
+_STALE_FACTOR = 3
+_STALE_SLACK = 64
 
 _heappop = heapq.heappop
 _heappush = heapq.heappush
@@ -60,10 +79,12 @@ class RecencyOrder:
         "_aside",
         "_clock",
         "_heap",
-        "_heap_limit",
         "_last",
         "_main",
         "_parked",
+        "_rel",
+        "_rel_last",
+        "_released",
         "_taken_keys",
         "_taken_stamps",
         "size",
@@ -73,7 +94,9 @@ class RecencyOrder:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
         self._heap: list[tuple[int, bytes]] = []
-        self._heap_limit = _HEAP_SLACK_MIN
+        self._rel: OrderedDict[bytes, int] = OrderedDict()
+        self._rel_last = -1  # _rel's appends are newer than this (its newest stamp ever)
+        self._released = 0  # keys with a valid heap entry (one each)
         self._clock = -1  # the last stamp given (ints: cheaper than itertools.count)
         self._last = -1  # the newest stamp ever appended to _main in its place
         self._aside: list[tuple[int, bytes]] = []
@@ -91,10 +114,12 @@ class RecencyOrder:
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys from the oldest to the most recent, pinned ones included."""
-        if not self._parked and not self._heap:
+        if not self._parked and not self._heap and not self._rel:
             yield from self._main  # nothing out of place
             return
-        for key, _ in sorted([*self._parked.items(), *self._main.items()], key=itemgetter(1)):
+        entries = [*self._parked.items()]
+        entries += [(k, s if s >= 0 else ~s) for k, s in self._main.items()]
+        for key, _ in sorted(entries, key=itemgetter(1)):
             yield key
 
     @property
@@ -152,9 +177,12 @@ class RecencyOrder:
         """Make ``key`` the most recent; return whether it was present."""
         main = self._main
         if key in main:
-            main.move_to_end(key)  # a released key's heap entry goes stale with its new stamp
+            main.move_to_end(key)
+            was = main[key]
             stamp = main[key] = self._clock = self._clock + 1
             self._last = stamp
+            if was < 0:  # released: its place goes
+                self._drop_place(key)
             return True
         if key in self._parked:
             self._parked[key] = self._clock = self._clock + 1
@@ -166,11 +194,16 @@ class RecencyOrder:
         absent keys are ignored."""
         main, parked = self._main, self._parked
         move_to_end = main.move_to_end
+        rel_pop = self._rel.pop
         stamp = self._clock
         last = self._last
+        released = self._released
+        any_released = released or self._rel  # else no key's mark needs reading
         for key in reversed(keys):
             if key in main:
                 move_to_end(key)
+                if any_released and main[key] < 0 and rel_pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 stamp += 1
                 main[key] = last = stamp
             elif key in parked:
@@ -178,6 +211,9 @@ class RecencyOrder:
                 parked[key] = stamp
         self._clock = stamp
         self._last = last
+        if released != self._released:
+            self._released = released
+            self._compact_if_stale()
 
     def touch_all_promoting(self, keys: Sequence[bytes], into: RecencyOrder) -> None:
         """ARC's touch, from the last key to the first: an evictable key of this order moves to
@@ -188,12 +224,18 @@ class RecencyOrder:
         move_to_end = into_main.move_to_end
         stamp, into_stamp, into_last = self._clock, into._clock, into._last
         moved = 0
+        into_released = into._released
+        released = self._released
+        into_any_released = into_released or into._rel  # else no key's mark needs reading
         for key in reversed(keys):
             # The lists are disjoint: the likeliest places first.
             if key in into_main:
                 move_to_end(key)
+                if into_any_released and into_main[key] < 0 and into._rel.pop(key, None) is None:
+                    into_released -= 1  # released: its heap entry goes stale
             elif key in main:
-                del main[key]  # a released key's heap entry goes stale
+                if main.pop(key) < 0 and self._rel.pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 moved += 1
             elif key in parked:
                 stamp += 1
@@ -211,11 +253,21 @@ class RecencyOrder:
         if moved:
             self.size -= moved
             into.size += moved
+        if released != self._released:
+            self._released = released
+            self._compact_if_stale()
+        if into_released != into._released:
+            into._released = into_released
+            into._compact_if_stale()
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""
-        if self._main.pop(key, None) is None and self._parked.pop(key, None) is None:
-            return False
+        stamp = self._main.pop(key, None)
+        if stamp is None:
+            if self._parked.pop(key, None) is None:
+                return False
+        elif stamp < 0:  # released: its place goes
+            self._drop_place(key)
         self.size -= 1
         return True
 
@@ -236,8 +288,9 @@ class RecencyOrder:
         changed: list[bytes] = []
         absent: list[bytes] = []
         if evictable:
-            heap = self._heap
-            last = self._last
+            heap, rel = self._heap, self._rel
+            last, rel_last = self._last, self._rel_last
+            pushed = len(heap)
             for key in keys:
                 stamp = parked.pop(key, None)
                 if stamp is None:
@@ -245,23 +298,34 @@ class RecencyOrder:
                         absent.append(key)
                     continue
                 changed.append(key)
-                main[key] = stamp
                 if stamp > last:  # nothing newer in _main: the tail is its place
-                    last = stamp
-                else:  # released: the heap keeps its place
+                    main[key] = last = stamp
+                    continue
+                main[key] = ~stamp  # released
+                if stamp > rel_last:  # in order: _rel keeps its place
+                    rel[key] = rel_last = stamp
+                else:
                     _heappush(heap, (stamp, key))
-            self._last = last
-            if len(heap) > self._heap_limit:
-                self._compact_heap()
+            self._released += len(heap) - pushed
+            self._last, self._rel_last = last, rel_last
         else:
+            released = self._released
+            rel_pop = self._rel.pop
             for key in keys:
-                stamp = main.pop(key, None)  # a released key's heap entry goes stale
+                stamp = main.pop(key, None)
                 if stamp is None:
                     if key not in parked:
                         absent.append(key)
                     continue
                 changed.append(key)
+                if stamp < 0:  # released: its place goes
+                    stamp = ~stamp
+                    if rel_pop(key, None) is None:  # its heap entry goes stale
+                        released -= 1
                 parked[key] = stamp
+            if released != self._released:
+                self._released = released
+                self._compact_if_stale()
         return changed, absent
 
     # -- victim search ------------------------------------------------------------------------
@@ -272,28 +336,37 @@ class RecencyOrder:
 
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
-        main, heap = self._main, self._heap
+        main, heap, rel = self._main, self._heap, self._rel
         popitem, get = main.popitem, main.get
         got: list[bytes] = []
         stamps = self._taken_stamps
         aside = self._aside
+        released = self._released
         while n:
-            # The heap's valid top, if any: the oldest released key.
+            # The oldest released key, if any: _rel's head or the heap's valid top.
             while heap:
                 top_stamp, top_key = heap[0]
-                if get(top_key) == top_stamp:
+                if get(top_key) == ~top_stamp and top_key not in rel:
                     break
                 _heappop(heap)  # stale: used, pinned or taken since it was pushed
             else:
                 top_stamp = -1
-            # Victims from the head of _main while it is not newer than the heap's top (all of
-            # them when nothing is released: the usual case).
+            from_heap = top_stamp >= 0
+            if rel:
+                rel_key, rel_stamp = next(iter(rel.items()))
+                if not from_heap or rel_stamp < top_stamp:
+                    top_key, top_stamp, from_heap = rel_key, rel_stamp, False
+            # Victims from the head of _main while it is not newer than that key (all of them
+            # when nothing is released: the usual case).
             while n and main:
-                key, stamp = popitem(False)
+                key, value = popitem(False)
+                stamp = value if value >= 0 else ~value
                 if 0 <= top_stamp < stamp:
-                    main[key] = stamp  # newer than the heap's top: back to the head
+                    main[key] = value  # newer than the oldest released key: back to the head
                     main.move_to_end(key, False)
                     break
+                if value < 0 and rel.pop(key, None) is None:
+                    released -= 1  # released: its heap entry goes stale
                 if key in protected:
                     aside.append((stamp, key))
                     continue
@@ -302,10 +375,14 @@ class RecencyOrder:
                 n -= 1
             if not n or top_stamp < 0:
                 break  # done, or nothing is left anywhere
-            if get(top_key) != top_stamp:
-                continue  # the head was the heap's top: taken or set aside above
-            _heappop(heap)
+            if get(top_key) != ~top_stamp:
+                continue  # it was _main's head: taken or set aside above
             del main[top_key]
+            if from_heap:
+                _heappop(heap)
+                released -= 1
+            else:
+                del rel[top_key]
             if top_key in protected:
                 aside.append((top_stamp, top_key))
                 continue
@@ -315,6 +392,9 @@ class RecencyOrder:
         if got:
             self.size -= len(got)
             self._taken_keys += got
+        if released != self._released:  # released keys taken from _main's head
+            self._released = released
+            self._compact_if_stale()
         return got
 
     def end_search(self, undo: bool) -> None:
@@ -333,17 +413,18 @@ class RecencyOrder:
         if aside:
             main, heap = self._main, self._heap
             for stamp, key in aside:  # released: back in _main, the heap keeps their places
-                main[key] = stamp
+                main[key] = ~stamp
                 _heappush(heap, (stamp, key))
+            self._released += len(aside)
             aside.clear()
-            if len(heap) > self._heap_limit:
-                self._compact_heap()
 
     def clear(self) -> None:
         self._main.clear()
         self._parked.clear()
         self._heap.clear()
-        self._heap_limit = _HEAP_SLACK_MIN
+        self._rel.clear()
+        self._rel_last = -1
+        self._released = 0
         self._aside.clear()
         self._taken_keys.clear()
         self._taken_stamps.clear()
@@ -351,9 +432,31 @@ class RecencyOrder:
         self._last = -1
         self.size = 0
 
+    @property
+    def stale_heap_entries(self) -> int:
+        """Heap entries no longer valid (for tests: at most 3x the valid ones plus a slack)."""
+        return len(self._heap) - self._released
+
+    def _drop_place(self, key: bytes) -> None:
+        """A released ``key`` left ``_main``: drop its place in ``_rel``, or count its heap
+        entry stale."""
+        if self._rel.pop(key, None) is None:
+            self._released -= 1
+            self._compact_if_stale()
+
+    def _compact_if_stale(self) -> None:
+        """Compact the heap if its stale entries outnumber the valid ones (times the factor) by
+        more than the slack: the calls that made them stale pay for it, O(1) amortized each."""
+        if len(self._heap) - self._released > _STALE_FACTOR * self._released + _STALE_SLACK:
+            self._compact_heap()
+
     def _compact_heap(self) -> None:
-        """Drop stale entries (uses, pins and evictions leave them behind)."""
-        get = self._main.get
-        self._heap = [(s, k) for s, k in self._heap if get(k) == s]
-        heapq.heapify(self._heap)
-        self._heap_limit = _HEAP_SLACK_FACTOR * len(self._heap) + _HEAP_SLACK_MIN
+        """Keep one entry per released key (stale ones and duplicates go): O(entries)."""
+        get, rel = self._main.get, self._rel
+        heap = [e for e in self._heap if get(e[1]) == ~e[0] and e[1] not in rel]
+        if len(heap) != self._released:
+            # Duplicates: a key pinned and released again at the same stamp has two entries,
+            # both valid. A dict keeps one per key (rare enough to pay a second pass for).
+            heap = list({entry[1]: entry for entry in heap}.values())
+        heapq.heapify(heap)
+        self._heap = heap
