@@ -18,7 +18,12 @@ import pytest
 from tiering import cli
 from tiering.backends.file import FileBackend
 from tiering.backends.lmdb import LMDBBackend
-from tiering.backends.ownership import MARKER_NAME, ForeignDirectoryError, TierDirectoryError
+from tiering.backends.ownership import (
+    MARKER_NAME,
+    ForeignDirectoryError,
+    TierDirectoryError,
+    UntrustedEntryError,
+)
 from tiering.config import build_manager, build_pool, check_tier_directories, load_config
 from tiering.errors import ConfigError
 from tiering.keys import OffloadKey, make_offload_key
@@ -187,6 +192,93 @@ def test_wipe_refuses_a_directory_that_is_not_tierings(
     assert status == 2
     assert "refusing the tier directory" in err and "slots.bin" in err
     assert (tmp_path / "tiers" / "nvme" / "slots.bin").exists()
+
+
+def link_state(root: Path) -> dict[str, str | bytes]:
+    """Every entry under root with what it is: symlinks by their target (never followed)."""
+    return {
+        str(p.relative_to(root)): (
+            f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+        )
+        for p in sorted(root.rglob("*"))
+    }
+
+
+PLANTED: list[tuple[type[FileBackend] | type[LMDBBackend], str, str]] = [
+    (FileBackend, "slots.bin", "symlink"),
+    (FileBackend, "manifest.json", "symlink"),
+    (FileBackend, "manifest.json.0123.tmp", "symlink"),  # named like a stale temp file
+    (FileBackend, MARKER_NAME, "symlink"),
+    (FileBackend, "slots.bin", "directory"),
+    (LMDBBackend, "data.mdb", "symlink"),
+    (LMDBBackend, "lock.mdb", "symlink"),
+    (LMDBBackend, "data.mdb.damaged", "symlink"),
+    (LMDBBackend, "data.mdb", "directory"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("backend_class", "name", "kind"),
+    PLANTED,
+    ids=[f"{cls.name}-{name}-{kind}" for cls, name, kind in PLANTED],
+)
+async def test_an_entry_named_like_tierings_that_is_not_a_regular_file_is_refused_untouched(
+    tmp_path: Path, backend_class: type[FileBackend] | type[LMDBBackend], name: str, kind: str
+) -> None:
+    """A symlink or directory where tiering keeps a file was not made by tiering: the tier is
+    refused naming it; the entry, its target and every other file stay as they were."""
+    directory = tmp_path / "tier"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+
+    def new_backend() -> FileBackend | LMDBBackend:
+        return backend_class(
+            path=directory, capacity_bytes=1 << 20, block_bytes=4096, fingerprint=bytes(16)
+        )
+
+    async with new_backend():
+        pass  # the directory is tiering's (marked); then an entry is planted in it
+    planted = directory / name
+    if planted.exists():
+        planted.rename(tmp_path / "moved-away")
+    if kind == "symlink":
+        planted.symlink_to(victim)
+    else:
+        planted.mkdir()
+        (planted / "inside.txt").write_text("also precious")
+    before = link_state(tmp_path)
+    with pytest.raises(UntrustedEntryError) as caught:
+        await new_backend().open()
+    assert caught.value.entries == (name,)
+    kind_shown = "a symlink" if kind == "symlink" else "a directory"
+    assert f"{str(directory)!r}: {name!r} ({kind_shown}) is named like tiering's own file" in (
+        str(caught.value)
+    )
+    assert "changed nothing. Move it out of the directory" in str(caught.value)
+    assert link_state(tmp_path) == before
+    # Once the operator moves it away, the tier opens.
+    planted.rename(tmp_path / "planted-moved")
+    async with new_backend():
+        pass
+    assert victim.read_text() == "precious"
+
+
+def test_wipe_refuses_a_planted_symlink_and_removes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = write_config(tmp_path)
+    populate(config_path, 2)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "tiers" / "db" / "lock.mdb").unlink()
+    (tmp_path / "tiers" / "db" / "lock.mdb").symlink_to(victim)
+    before = link_state(tmp_path / "tiers")
+    status, _out, err = run(["wipe", "--config", str(config_path)], capsys)
+    assert status == 2
+    assert "'lock.mdb' (a symlink) is named like tiering's own file" in err
+    assert link_state(tmp_path / "tiers") == before
+    assert victim.read_text() == "precious"
 
 
 @pytest.mark.slow

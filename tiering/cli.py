@@ -62,7 +62,7 @@ from tiering.config import (
     config_json_schema,
     layout_for_config,
     load_config,
-    wipe_tier,
+    wipe_tiers,
 )
 from tiering.errors import BackendError, ConfigError, TieringError
 from tiering.registry import get_backend
@@ -774,10 +774,10 @@ def cmd_wipe(args: argparse.Namespace) -> int:
     """Delete tiering's own files from each tier's directory (never anyone else's)."""
     config = _load(args.config)
     tiers = list(config.secondary_tiers) if args.tier is None else [config.tier(args.tier)]
-    for tier in tiers:
+    # All or none: every directory is examined before anything is deleted.
+    for tier, removal in zip(tiers, wipe_tiers(tiers), strict=True):
         if tier.path is None:
             continue
-        removal = wipe_tier(tier)
         what = f"tier {tier.name} ({tier.path})"
         if not removal.removed and not removal.directory_removed:
             print(f"{what}: nothing of tiering's to delete")

@@ -104,6 +104,7 @@ __all__ = [
     "parse_config",
     "resolve_plugins",
     "wipe_tier",
+    "wipe_tiers",
 ]
 
 CONFIG_VERSION = 1
@@ -1316,20 +1317,48 @@ def build_tier(
 def wipe_tier(tier: TierConfig) -> Removal:
     """Delete tiering's own files from the tier's directory, then the directory if that left it
     empty; an operator's files stay. Raises :class:`ConfigError` (nothing deleted) if the
-    directory is not tiering's or holds another backend's tier. A plugin backend is imported
-    (its class says which files are its own)."""
-    if tier.path is None:
-        return Removal((), (), False)
-    try:
-        cls = get_backend(tier.type).cls
-        return remove_owned_files(
-            tier.path,
-            backend=cls.name,
-            owned_files=cls.owned_files,
-            recognizes=cls.recognizes_directory,
-        )
-    except (ConfigurationError, TierDirectoryError) as exc:
-        raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+    directory is not tiering's, holds another backend's tier, or holds an entry named like
+    tiering's that is not a regular file. A plugin backend is imported (its class says which
+    files are its own)."""
+    return wipe_tiers([tier])[0]
+
+
+def wipe_tiers(tiers: Sequence[TierConfig]) -> list[Removal]:
+    """:func:`wipe_tier` for each of ``tiers``, all or none: every directory is examined first,
+    so a refusal (:class:`ConfigError`) leaves every tier as it was."""
+    plans: list[type[StorageBackend] | None] = []
+    for tier in tiers:
+        if tier.path is None:
+            plans.append(None)
+            continue
+        try:
+            cls = get_backend(tier.type).cls
+            found = examine_directory(
+                tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
+            )
+            if found.state == "foreign":
+                raise foreign_directory_error(found, what="the tier directory")
+            check_backend(found, cls.name)
+        except (ConfigurationError, TierDirectoryError) as exc:
+            raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+        plans.append(cls)
+    removals = []
+    for tier, backend_class in zip(tiers, plans, strict=True):
+        if backend_class is None or tier.path is None:
+            removals.append(Removal((), (), False))
+            continue
+        try:
+            removals.append(
+                remove_owned_files(
+                    tier.path,
+                    backend=backend_class.name,
+                    owned_files=backend_class.owned_files,
+                    recognizes=backend_class.recognizes_directory,
+                )
+            )
+        except TierDirectoryError as exc:  # changed since it was examined
+            raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+    return removals
 
 
 # -- tier directories, before anything opens ----------------------------------------------------

@@ -156,6 +156,7 @@ from tiering.backends.ownership import (
     MismatchPolicy,
     TierDirectory,
     TierMarker,
+    UntrustedEntryError,
     check_backend,
     claim_directory,
     created_by,
@@ -426,7 +427,7 @@ class FileBackend(StorageBackend):
     something that did not verify), ``recovery_duplicates``, ``recovery_read_errors``,
     ``recovery_missing_slots`` (slots past the end of a truncated file),
     ``recovery_over_capacity`` (used slots past the capacity, dropped), ``manifest_damaged``,
-    ``layout_mismatches``, ``untrusted_files_removed``, ``stale_temp_removed``,
+    ``layout_mismatches``, ``stale_temp_removed``,
     ``o_direct_bounces``, ``fsync_failures``, ``invalidate_failures``.
     """
 
@@ -552,7 +553,6 @@ class FileBackend(StorageBackend):
             "recovery_over_capacity",
             "manifest_damaged",
             "layout_mismatches",
-            "untrusted_files_removed",
             "stale_temp_removed",
             "o_direct_bounces",
             "fsync_failures",
@@ -760,10 +760,10 @@ class FileBackend(StorageBackend):
         if not self.read_only:
             for name in os.listdir(self.path):
                 if name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX):
-                    # unlink removes a planted symlink itself, never its target
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path / name)
-                        self.stats.extra["stale_temp_removed"] += 1
+                        if stat.S_ISREG(os.lstat(self.path / name).st_mode):
+                            os.unlink(self.path / name)  # ours: a write cut short
+                            self.stats.extra["stale_temp_removed"] += 1
         return found
 
     def _lock_directory(self) -> None:
@@ -923,14 +923,16 @@ class FileBackend(StorageBackend):
                     raise
                 return -1
             except OSError as exc:
-                if exc.errno != errno.ELOOP or self.read_only:
+                if exc.errno != errno.ELOOP:
                     raise
-                # A symlink planted where our file belongs: remove the link (not its target)
-                # and start with a fresh file; nothing it pointed to is trusted.
-                logger.warning("file backend %s: removing a symlink at %s", self.path, path)
-                await aiofiles.os.unlink(path, executor=self._pool)
-                self.stats.extra["untrusted_files_removed"] += 1
-                fd = await self._call(self._ops.open, path, flags, 0o600)
+                # A symlink planted where our file belongs since the directory was examined
+                raise UntrustedEntryError(
+                    f"refusing the slot file {path!r}: it is a symlink, so tiering did not "
+                    "make it; tiering neither follows nor removes it and changed nothing. Move "
+                    "it out of the directory, or give the tier another directory",
+                    self.path,
+                    entries=(SLOTS_NAME,),
+                ) from exc
         except OSError as exc:
             hint = " (does this file system support O_DIRECT?)" if self.o_direct else ""
             raise BackendError(f"cannot open the slot file {path!r}: {exc}{hint}") from exc

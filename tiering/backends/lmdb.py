@@ -99,8 +99,7 @@ Stats
     ``puts``/``gets`` count keys asked for; ``bytes_written``/``bytes_read`` count payload bytes
     of ``OK`` results. ``extra``: ``write_txns`` (committed write transactions),
     ``map_full_errors``, ``map_grows``, ``stale_readers_cleared``, ``recovered_blocks``,
-    ``recovery_dropped_blocks``, ``damaged_files``, ``layout_mismatches``,
-    ``untrusted_files_removed``.
+    ``recovery_dropped_blocks``, ``damaged_files``, ``layout_mismatches``.
 
 Never open an LMDB directory from an untrusted source: LMDB trusts its own file format.
 """
@@ -152,6 +151,7 @@ from tiering.backends.ownership import (
     MismatchPolicy,
     TierDirectory,
     TierMarker,
+    UntrustedEntryError,
     check_backend,
     claim_directory,
     created_by,
@@ -1196,13 +1196,14 @@ class LMDBBackend(StorageBackend):
         for name in (_DATA_FILE, _LMDB_LOCK_FILE):
             path = os.path.join(self.path, name)
             if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
-                if self.read_only:
-                    raise BackendError(f"{path!r} is not a regular file; not reading through it")
-                _log.warning(
-                    "LMDB at %s: removing %s, which is not a regular file", self.path, path
+                # Planted since the directory was examined: not ours, never followed nor removed
+                raise UntrustedEntryError(
+                    f"refusing {path!r}: it is not a regular file, so tiering did not make it; "
+                    "tiering neither follows nor removes it and changed nothing. Move it out of "
+                    "the directory, or give the tier another directory",
+                    Path(self.path),
+                    entries=(name,),
                 )
-                os.unlink(path)  # a symlink itself, never its target
-                self._count("untrusted_files_removed")
         if not os.path.exists(data):
             return not self.read_only
         try:

@@ -55,6 +55,7 @@ __all__ = [
     "TierMarker",
     "TierDirectory",
     "LayoutRecord",
+    "UntrustedEntryError",
     "Removal",
     "check_backend",
     "claim_directory",
@@ -102,6 +103,16 @@ class DamagedStorageError(TierDirectoryError):
 
 class ForeignDirectoryError(TierDirectoryError):
     """The directory is not empty and carries no tiering marker: it is not tiering's."""
+
+
+class UntrustedEntryError(TierDirectoryError):
+    """An entry named like one of tiering's files is not a regular file (a symlink, a
+    directory, a device): tiering never made it, so it neither follows nor removes it.
+    ``entries`` are their names."""
+
+    def __init__(self, message: str, directory: Path, *, entries: tuple[str, ...]) -> None:
+        super().__init__(message, directory)
+        self.entries = entries
 
 
 class LayoutMismatchError(TierDirectoryError):
@@ -326,14 +337,57 @@ def examine_directory(
         and name != MARKER_NAME
         and not fnmatch.fnmatch(name, _TMP_PATTERN)
     )
+    foreign = tuple(name for name in names if not owns(name, owned_files))
+    if MARKER_NAME not in names and (foreign or recognizes is None or not recognizes(directory)):
+        return TierDirectory(directory, "foreign", foreign=foreign or tuple(names))
+    untrusted = _untrusted_entries(directory, [n for n in names if owns(n, owned_files)])
+    if untrusted:
+        raise _untrusted_entry_error(directory, untrusted)
     if MARKER_NAME in names:
         marker = read_marker(directory)
         state: DirectoryState = "marked" if marker else "damaged_marker"
         return TierDirectory(directory, state, marker, data_files=data_files)
-    foreign = tuple(name for name in names if not owns(name, owned_files))
-    if not foreign and recognizes is not None and recognizes(directory):
-        return TierDirectory(directory, "legacy", data_files=data_files)
-    return TierDirectory(directory, "foreign", foreign=foreign or tuple(names))
+    return TierDirectory(directory, "legacy", data_files=data_files)
+
+
+def _untrusted_entries(directory: Path, names: Sequence[str]) -> dict[str, str]:
+    """Those of ``names`` that are not regular files, with what each is instead."""
+    found: dict[str, str] = {}
+    for name in names:
+        try:
+            mode = os.lstat(directory / name).st_mode
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        except OSError as exc:
+            raise TierDirectoryError(
+                f"cannot inspect {str(directory / name)!r}: {exc}", directory
+            ) from exc
+        if stat.S_ISREG(mode):
+            continue
+        if stat.S_ISLNK(mode):
+            found[name] = "a symlink"
+        elif stat.S_ISDIR(mode):
+            found[name] = "a directory"
+        else:
+            found[name] = "a special file"
+    return found
+
+
+def _untrusted_entry_error(directory: Path, untrusted: Mapping[str, str]) -> UntrustedEntryError:
+    named = [f"{name!r} ({kind})" for name, kind in untrusted.items()]
+    shown = ", ".join(named[:_SHOWN_FOREIGN])
+    if len(named) > _SHOWN_FOREIGN:
+        shown += f" and {len(named) - _SHOWN_FOREIGN} more"
+    one = len(named) == 1
+    return UntrustedEntryError(
+        f"refusing {str(directory)!r}: {shown} {'is' if one else 'are'} named like tiering's "
+        f"own file{'' if one else 's'} but {'is' if one else 'are'} not a regular file, so "
+        f"tiering did not make {'it' if one else 'them'}; tiering neither follows nor removes "
+        f"{'it' if one else 'them'} and changed nothing. Move {'it' if one else 'them'} out of "
+        "the directory, or give the tier another directory",
+        directory,
+        entries=tuple(untrusted),
+    )
 
 
 def check_backend(found: TierDirectory, backend: str) -> None:
@@ -466,11 +520,12 @@ def remove_owned_files(
     removed = []
     for name in [*mine, *marker]:
         path = directory / name
-        if os.path.isdir(path) and not os.path.islink(path):
-            kept += (name,)  # tiering makes no subdirectories: not ours after all
-            continue
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a symlink is removed itself, never its target
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                # Planted after the look above: not tiering's file after all
+                kept += (name,)
+                continue
+            os.unlink(path)
             removed.append(name)
     directory_removed = False
     if not kept:

@@ -37,7 +37,7 @@ from tiering.config import (
     build_pool,
     layout_for_config,
     load_config,
-    wipe_tier,
+    wipe_tiers,
 )
 from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
@@ -659,8 +659,8 @@ def _check_plot_target(path: Path) -> None:
 
 def _wipe_tiers(config: TieringConfig) -> None:
     """``--fresh``: delete tiering's own files from each tier (never an operator's file)."""
-    for tier in config.secondary_tiers:
-        removal = wipe_tier(tier)
+    tiers = list(config.secondary_tiers)
+    for tier, removal in zip(tiers, wipe_tiers(tiers), strict=True):
         if removal.kept:
             print(
                 f"--fresh: tier {tier.name}: kept {', '.join(removal.kept)} in {tier.path} "
