@@ -598,6 +598,39 @@ TestLRUCompactingMachine = LRUCompactingMachine.TestCase  # the settings above, 
 TestARCCompactingMachine = ARCCompactingMachine.TestCase
 
 
+class _FewPinsInPlaceMixin(_CompactingMixin):
+    """The compacting machines with at most one key pinned in place: pinning calls park keys,
+    and searches meet keys pinned in place, between almost every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_place_max = order_module._PINNED_IN_PLACE_MAX
+        order_module._PINNED_IN_PLACE_MAX = 1
+
+    def teardown(self) -> None:
+        order_module._PINNED_IN_PLACE_MAX = self._in_place_max
+        super().teardown()
+
+    @invariant()
+    def pinned_in_place_are_held_in_place(self) -> None:
+        for order in _orders(self.policy):
+            assert len(order._pinned_in_place) <= order_module._PINNED_IN_PLACE_MAX
+            assert all(key in order._main for key in order._pinned_in_place)
+            assert not any(key in order._parked for key in order._pinned_in_place)
+
+
+class LRUFewPinsInPlaceMachine(_FewPinsInPlaceMixin, LRUMachine):
+    pass
+
+
+class ARCFewPinsInPlaceMachine(_FewPinsInPlaceMixin, ARCMachine):
+    pass
+
+
+TestLRUFewPinsInPlaceMachine = LRUFewPinsInPlaceMachine.TestCase
+TestARCFewPinsInPlaceMachine = ARCFewPinsInPlaceMachine.TestCase
+
+
 # -- the recency order under the policies ----------------------------------------------------
 
 
@@ -625,25 +658,50 @@ class _Protected:
         return False
 
 
-def test_a_search_never_meets_a_pinned_key() -> None:
-    """Pinning takes a key out of the victim search at once: the first eviction after pinning
-    the oldest half of the keys examines one key and hashes none, not one per pinned key."""
+@pytest.mark.parametrize("pinned", [500, 5000])
+def test_a_search_meets_a_bounded_number_of_pinned_keys(pinned: int) -> None:
+    """Pinning leaves a key in place (a load pinned and let go keeps its place) until more
+    than ``_PINNED_IN_PLACE_MAX`` keys are pinned there; then the pinning call moves them out
+    of the victim search. So the first eviction after pinning the oldest keys examines at most
+    that many pinned keys, however many are pinned, and the next one none."""
+    bound = order_module._PINNED_IN_PLACE_MAX
     order = RecencyOrder()
-    keys = [_CountedKey(i) for i in range(1000)]
+    keys = [_CountedKey(i) for i in range(2 * pinned)]
     for key in keys:
         order.add(key, True)  # type: ignore[arg-type]
-    for key in keys[:500]:
+    for key in keys[:pinned]:
         assert order.set_evictable(key, False)  # type: ignore[arg-type]
+    assert order.evictable_count == pinned
     protected = _Protected()
     _CountedKey.hashes = 0
-    assert order.take(1, protected) == [keys[500]]
+    assert order.take(1, protected) == [keys[pinned]]
     order.end_search(undo=False)
-    assert protected.asked == [keys[500]]
+    assert protected.asked == [keys[pinned]]
+    assert _CountedKey.hashes <= 3 * bound + 1  # three dict operations per pinned key met
+    _CountedKey.hashes = 0
+    assert order.take(1, protected) == [keys[pinned + 1]]
+    order.end_search(undo=False)
     assert _CountedKey.hashes <= 1
     # Unpinned keys come back to their places: the oldest first.
     order.set_evictable(keys[10], True)  # type: ignore[arg-type]
     order.set_evictable(keys[3], True)  # type: ignore[arg-type]
-    assert order.take(3, ()) == [keys[3], keys[10], keys[501]]
+    assert order.take(3, ()) == [keys[3], keys[10], keys[pinned + 2]]
+    order.end_search(undo=False)
+
+
+def test_a_load_pinned_and_let_go_keeps_its_place() -> None:
+    """A key pinned and let go before any search reaches it is where it was: nothing was
+    released, so no kept place is left for a later use or search to drop."""
+    order = RecencyOrder()
+    keys = [bytes([i]) for i in range(10)]
+    order.add_all(keys, True)
+    changed, absent = order.set_evictable_each([keys[7], keys[2], keys[7]], False)
+    assert (changed, absent) == ([keys[7], keys[2]], [])
+    assert not order.is_evictable(keys[2]) and order.evictable_count == 8
+    assert order.set_evictable_each([keys[2], keys[7]], True) == ([keys[2], keys[7]], [])
+    assert list(order) == keys
+    assert order.stale_heap_entries == 0 and order._released == 0 and not order._rel
+    assert order.take(10, ()) == keys
     order.end_search(undo=False)
 
 
@@ -717,7 +775,11 @@ def test_no_search_pays_for_places_that_other_calls_made_stale(
     assert order.take(1, protected) == [rest[0]]
     order.end_search(undo=False)
     assert protected.asked == [rest[0]]
-    assert _CountedKey.hashes <= 70  # at most the slack of stale entries, not 1,000
+    # At most the slack of stale entries, not 1,000; and the keys still pinned in their places
+    # (at most _PINNED_IN_PLACE_MAX: three dict operations each to park them, and one for the
+    # heap entry each leaves stale; see test_a_search_meets_a_bounded_number_of_pinned_keys).
+    in_place = order_module._PINNED_IN_PLACE_MAX if used_keys_end == "pinned" else 0
+    assert _CountedKey.hashes <= 70 + 4 * in_place
     # Exact order still: the rest leave oldest first, then the used keys where they went.
     expected = (
         rest[1:]

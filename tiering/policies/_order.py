@@ -6,13 +6,21 @@ Every policy list (LRU's single list, ARC's T1 and T2) is one :class:`RecencyOrd
 Stamps. Every use of a key (add, touch) gives it a *stamp* from a counter, so the true recency
 order is the order of stamps. A key's stamp is kept wherever the key is:
 
-- ``_main``: an ``OrderedDict`` key -> stamp of the evictable keys. A use appends the key at the
-  tail with a new stamp, so ``_main`` is in stamp order, except for *released* keys (below);
-- ``_parked``: key -> stamp of the keys that may not be evicted (pinned, or being written).
-  Pinning a key takes it out of ``_main`` at once, whatever its place, so a victim search never
-  meets a pinned key: nothing is skipped, now or later.
+- ``_main``: an ``OrderedDict`` key -> stamp of the evictable keys and of the keys *pinned in
+  place* (below). A use appends the key at the tail with a new stamp, so ``_main`` is in stamp
+  order, except for *released* keys (below);
+- ``_parked``: key -> stamp of the other keys that may not be evicted (being written, or pinned
+  and parked). A victim search never meets a parked key.
 
-Unpinning a key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
+Pins in place. Pinning an evictable key only marks it (``_pinned_in_place``, a dict): a load is
+pinned and let go within a step or two, usually before any victim search reaches its place, and
+letting a marked key go is one dict deletion that leaves it where it was. Marked keys stay few:
+once more than ``_PINNED_IN_PLACE_MAX`` are, the pinning call parks them all (O(1) amortized per
+pin), and a victim search that meets a marked key parks it and every other marked key at once.
+So a search meets at most that many pinned keys, whatever the number pinned, and pays for them
+once: nothing is skipped twice.
+
+Unpinning a parked key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
 place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
 key), and its true place is kept elsewhere. ``_main`` maps a released key to ``~stamp``
@@ -43,10 +51,12 @@ one of the other two is at least as old (the head's own place is there). A victi
 released (to the heap), as do the victims of a search the caller undoes: a search that fails
 changes nothing a caller can observe.
 
-Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) or one heap
-push; a victim is one ``popitem`` (with nothing released), O(1) from ``_rel`` or O(log n) heap
-work. Keys released out of order and then pinned or used leave stale heap entries that a victim
-search may meet (bounded as above). No call does work that grows with the number of pinned keys.
+Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) (a key pinned
+in place: one dict deletion) or one heap push; a victim is one ``popitem`` (with nothing
+released), O(1) from ``_rel`` or O(log n) heap work. Keys released out of order and then pinned
+or used leave stale heap entries that a victim search may meet (bounded as above); a search
+meets at most ``_PINNED_IN_PLACE_MAX`` keys pinned in place. No call does work that grows with
+the number of pinned keys.
 """
 
 from __future__ import annotations
@@ -63,6 +73,12 @@ __all__ = ["RecencyOrder"]
 # (each visit a dict probe), and small heaps are not worth compacting.
 _STALE_FACTOR = 3
 _STALE_SLACK = 64
+
+# Keys pinned while evictable stay where they are (marked) until more than this many are: then
+# the pinning call moves them all out of the victim search. A search meets at most this many
+# pinned keys (parking each as it meets it), and a load that is pinned and let go in between
+# costs two dict operations and keeps its place.
+_PINNED_IN_PLACE_MAX = 256
 
 _heappop = heapq.heappop
 _heappush = heapq.heappush
@@ -82,6 +98,7 @@ class RecencyOrder:
         "_last",
         "_main",
         "_parked",
+        "_pinned_in_place",
         "_rel",
         "_rel_last",
         "_released",
@@ -93,6 +110,7 @@ class RecencyOrder:
     def __init__(self) -> None:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
+        self._pinned_in_place: dict[bytes, None] = {}
         self._heap: list[tuple[int, bytes]] = []
         self._rel: OrderedDict[bytes, int] = OrderedDict()
         self._rel_last = -1  # _rel's appends are newer than this (its newest stamp ever)
@@ -125,10 +143,10 @@ class RecencyOrder:
     @property
     def evictable_count(self) -> int:
         """How many keys may be evicted (protected ones included)."""
-        return self.size - len(self._parked)
+        return self.size - len(self._parked) - len(self._pinned_in_place)
 
     def is_evictable(self, key: bytes) -> bool:
-        return key not in self._parked
+        return key not in self._parked and key not in self._pinned_in_place
 
     # -- adding and using keys ----------------------------------------------------------------
 
@@ -219,10 +237,10 @@ class RecencyOrder:
         """ARC's touch, from the last key to the first: an evictable key of this order moves to
         ``into`` as its most recent, a pinned one becomes this order's most recent (preparing a
         block is not a second use), any other key is touched in ``into`` (absent: ignored)."""
-        main, parked = self._main, self._parked
+        main, parked, in_place = self._main, self._parked, self._pinned_in_place
         into_main, into_parked = into._main, into._parked
         move_to_end = into_main.move_to_end
-        stamp, into_stamp, into_last = self._clock, into._clock, into._last
+        stamp, last, into_stamp, into_last = self._clock, self._last, into._clock, into._last
         moved = 0
         into_released = into._released
         released = self._released
@@ -234,6 +252,13 @@ class RecencyOrder:
                 if into_any_released and into_main[key] < 0 and into._rel.pop(key, None) is None:
                     into_released -= 1  # released: its heap entry goes stale
             elif key in main:
+                if in_place and key in in_place:  # pinned: stays, as the most recent
+                    main.move_to_end(key)
+                    if main[key] < 0 and self._rel.pop(key, None) is None:
+                        released -= 1  # released: its heap entry goes stale
+                    stamp += 1
+                    main[key] = last = stamp
+                    continue
                 if main.pop(key) < 0 and self._rel.pop(key, None) is None:
                     released -= 1  # released: its heap entry goes stale
                 moved += 1
@@ -249,7 +274,7 @@ class RecencyOrder:
                 continue  # absent (or a ghost): ignored
             into_stamp += 1
             into_main[key] = into_last = into_stamp
-        self._clock, into._clock, into._last = stamp, into_stamp, into_last
+        self._clock, self._last, into._clock, into._last = stamp, last, into_stamp, into_last
         if moved:
             self.size -= moved
             into.size += moved
@@ -266,8 +291,11 @@ class RecencyOrder:
         if stamp is None:
             if self._parked.pop(key, None) is None:
                 return False
-        elif stamp < 0:  # released: its place goes
-            self._drop_place(key)
+        else:
+            if self._pinned_in_place:
+                self._pinned_in_place.pop(key, None)
+            if stamp < 0:  # released: its place goes
+                self._drop_place(key)
         self.size -= 1
         return True
 
@@ -284,7 +312,7 @@ class RecencyOrder:
         """:meth:`set_evictable` for each key this order holds. Returns the keys it changed and
         the keys it does not hold (both in order); calling it again with the changed keys and
         ``not evictable`` undoes it, exactly as far as any caller can observe."""
-        main, parked = self._main, self._parked
+        main, parked, in_place = self._main, self._parked, self._pinned_in_place
         changed: list[bytes] = []
         absent: list[bytes] = []
         if evictable:
@@ -292,6 +320,10 @@ class RecencyOrder:
             last, rel_last = self._last, self._rel_last
             pushed = len(heap)
             for key in keys:
+                if key in in_place:  # pinned where it stood: nothing moved
+                    del in_place[key]
+                    changed.append(key)
+                    continue
                 stamp = parked.pop(key, None)
                 if stamp is None:
                     if key not in main:
@@ -309,23 +341,18 @@ class RecencyOrder:
             self._released += len(heap) - pushed
             self._last, self._rel_last = last, rel_last
         else:
-            released = self._released
-            rel_pop = self._rel.pop
             for key in keys:
-                stamp = main.pop(key, None)
-                if stamp is None:
-                    if key not in parked:
-                        absent.append(key)
-                    continue
-                changed.append(key)
-                if stamp < 0:  # released: its place goes
-                    stamp = ~stamp
-                    if rel_pop(key, None) is None:  # its heap entry goes stale
-                        released -= 1
-                parked[key] = stamp
-            if released != self._released:
-                self._released = released
-                self._compact_if_stale()
+                if key in main:
+                    if key not in in_place:
+                        in_place[key] = None
+                        changed.append(key)
+                elif key not in parked:
+                    absent.append(key)
+            if len(in_place) > _PINNED_IN_PLACE_MAX:
+                stale = self._park_pinned_in_place()
+                if stale:
+                    self._released -= stale
+                    self._compact_if_stale()
         return changed, absent
 
     # -- victim search ------------------------------------------------------------------------
@@ -337,6 +364,7 @@ class RecencyOrder:
         :meth:`end_search` commits or undoes every removal since the last search ended.
         """
         main, heap, rel = self._main, self._heap, self._rel
+        parked, in_place = self._parked, self._pinned_in_place
         popitem, get = main.popitem, main.get
         got: list[bytes] = []
         stamps = self._taken_stamps
@@ -367,6 +395,11 @@ class RecencyOrder:
                     break
                 if value < 0 and rel.pop(key, None) is None:
                     released -= 1  # released: its heap entry goes stale
+                if in_place and key in in_place:  # pinned where it stood: park it, and the
+                    del in_place[key]  # others pinned in place (near the oldest end too)
+                    parked[key] = stamp
+                    released -= self._park_pinned_in_place()
+                    continue
                 if key in protected:
                     aside.append((stamp, key))
                     continue
@@ -383,6 +416,11 @@ class RecencyOrder:
                 released -= 1
             else:
                 del rel[top_key]
+            if in_place and top_key in in_place:  # pinned where it stood: as above
+                del in_place[top_key]
+                parked[top_key] = top_stamp
+                released -= self._park_pinned_in_place()
+                continue
             if top_key in protected:
                 aside.append((top_stamp, top_key))
                 continue
@@ -421,6 +459,7 @@ class RecencyOrder:
     def clear(self) -> None:
         self._main.clear()
         self._parked.clear()
+        self._pinned_in_place.clear()
         self._heap.clear()
         self._rel.clear()
         self._rel_last = -1
@@ -436,6 +475,22 @@ class RecencyOrder:
     def stale_heap_entries(self) -> int:
         """Heap entries no longer valid (for tests: at most 3x the valid ones plus a slack)."""
         return len(self._heap) - self._released
+
+    def _park_pinned_in_place(self) -> int:
+        """Move every key pinned in place out of ``_main`` into ``_parked``: O(keys), at most
+        ``_PINNED_IN_PLACE_MAX``. Returns how many valid heap entries went stale; the caller
+        takes them off ``_released`` (no compaction here: :meth:`take` holds the heap)."""
+        main, parked, rel_pop = self._main, self._parked, self._rel.pop
+        stale = 0
+        for key in self._pinned_in_place:
+            stamp = main.pop(key)
+            if stamp < 0:  # released: its place goes
+                stamp = ~stamp
+                if rel_pop(key, None) is None:  # its heap entry goes stale
+                    stale += 1
+            parked[key] = stamp
+        self._pinned_in_place.clear()
+        return stale
 
     def _drop_place(self, key: bytes) -> None:
         """A released ``key`` left ``_main``: drop its place in ``_rel``, or count its heap
