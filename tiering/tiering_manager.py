@@ -228,15 +228,19 @@ class TieringOffloadingManager(OffloadingManager):
         # A lookup's miss test, when every tier answers from its index alone: a key in no
         # tier's ``held`` is ABSENT everywhere (one probe per tier, no call). None: ask each
         # tier's state() (a shared tier, a tier class with its own state(), lookup counting).
-        # With one tier (the usual case) its set itself: no loop.
-        self._tier_held: set[bytes] | tuple[set[bytes], ...] | None = None
+        # With one tier (the usual case) its set itself: no loop, no type test.
+        self._one_tier_held: set[bytes] | None = None
+        self._tiers_held: tuple[set[bytes], ...] | None = None
         if (
             not shared
             and not self._counts_lookups
             and all(type(t).state is SecondaryTier.state for t in self.tiers)
         ):
             held = tuple(t.held for t in self.tiers)
-            self._tier_held = held[0] if len(held) == 1 else held
+            if len(held) == 1:
+                self._one_tier_held = held[0]
+            else:
+                self._tiers_held = held
         self._shared: SharedTier | None = (
             cast(SharedTier, self.tiers[shared[0]]) if shared else None
         )
@@ -358,15 +362,19 @@ class TieringOffloadingManager(OffloadingManager):
                 return HIT
             self.primary_lookup_pending += 1
             return RETRY if key in self._promoting else HIT_PENDING
-        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
-        if tier_held is not None and (not self._promoting or key not in self._promoting):
-            if type(tier_held) is set:
-                if key not in tier_held:
-                    self.primary_lookup_misses += 1
-                    return MISS
-            elif not any(key in held for held in tier_held):
+        # _lookup_below's miss, inline (hot path): in no tier's index, not being promoted.
+        held = self._one_tier_held
+        if held is not None:
+            if key not in held and (not self._promoting or key not in self._promoting):
                 self.primary_lookup_misses += 1
                 return MISS
+        elif (
+            self._tiers_held is not None
+            and not any(key in held for held in self._tiers_held)
+            and (not self._promoting or key not in self._promoting)
+        ):
+            self.primary_lookup_misses += 1
+            return MISS
         answer = self._lookup_below(key, req_context)
         self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
         return answer
@@ -387,15 +395,19 @@ class TieringOffloadingManager(OffloadingManager):
                 return True
             self.primary_lookup_pending += 1
             return None
-        tier_held = self._tier_held  # (_lookup_below's miss, inline: hot path)
-        if tier_held is not None and (not self._promoting or key not in self._promoting):
-            if type(tier_held) is set:
-                if key not in tier_held:
-                    self.primary_lookup_misses += 1
-                    return False
-            elif not any(key in held for held in tier_held):
+        # _lookup_below's miss, inline (hot path): in no tier's index, not being promoted.
+        held = self._one_tier_held
+        if held is not None:
+            if key not in held and (not self._promoting or key not in self._promoting):
                 self.primary_lookup_misses += 1
                 return False
+        elif (
+            self._tiers_held is not None
+            and not any(key in held for held in self._tiers_held)
+            and (not self._promoting or key not in self._promoting)
+        ):
+            self.primary_lookup_misses += 1
+            return False
         below = AS_BOOL[self._lookup_below(key, req_context)]
         self.primary_lookup_misses += 1  # after: a bad req_context raises, counting nothing
         return below
