@@ -137,31 +137,37 @@ class ARCPolicy(EvictionPolicy):
         b1, b2 = self._b1, self._b2
         capacity = self.capacity
         t1_size, t2_size = t1.size, t2.size
+        b1_size, b2_size = len(b1), len(b2)  # kept here: a len() call per test adds up
         p = self._target_t1_size
         to_t1: list[bytes] = []
         to_t2: list[bytes] = []
         for key in keys:
             if key in b1:
-                p = min(p + max(1.0, len(b2) / len(b1)), float(capacity))
+                p = min(p + max(1.0, b2_size / b1_size), float(capacity))
                 del b1[key]
+                b1_size -= 1
                 to_t2.append(key)
                 t2_size += 1
             elif key in b2:
-                p = max(p - max(1.0, len(b1) / len(b2)), 0.0)
+                p = max(p - max(1.0, b1_size / b2_size), 0.0)
                 del b2[key]
+                b2_size -= 1
                 to_t2.append(key)
                 t2_size += 1
             else:
                 to_t1.append(key)
                 t1_size += 1
                 held_size = t1_size + t2_size
-                if t1_size + len(b1) > capacity or held_size + len(b1) + len(b2) > 2 * capacity:
-                    while b1 and t1_size + len(b1) > capacity:
+                if t1_size + b1_size > capacity or held_size + b1_size + b2_size > 2 * capacity:
+                    while b1_size and t1_size + b1_size > capacity:
                         b1.popitem(last=False)
-                    while b2 and held_size + len(b1) + len(b2) > 2 * capacity:
+                        b1_size -= 1
+                    while b2_size and held_size + b1_size + b2_size > 2 * capacity:
                         b2.popitem(last=False)
-                    while b1 and held_size + len(b1) > 2 * capacity:
+                        b2_size -= 1
+                    while b1_size and held_size + b1_size > 2 * capacity:
                         b1.popitem(last=False)
+                        b1_size -= 1
         self._target_t1_size = p
         t1.add_all(to_t1, evictable)
         t2.add_all(to_t2, evictable)
