@@ -367,7 +367,7 @@ class CPUOffloadingManager(OffloadingManager):
             del freed_slots[-needed:]
         slots_of.update(zip(to_store, slots, strict=True))
         self._not_ready.update(to_store)
-        self._policy.insert_many(to_store, False)
+        self._policy.insert_new(to_store, False)  # absent (not in _slots), once each
         return PrepareStoreOutput(
             to_store, LoadStoreSpec(self.medium, np.array(slots, dtype=np.int64)), evicted
         )

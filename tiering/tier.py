@@ -462,7 +462,7 @@ class SecondaryTier:
             victims = chosen
             self.metrics.evictions += len(victims)
             self.held.difference_update(victims)
-        policy.insert_many(to_write, evictable=False)
+        policy.insert_new(to_write, evictable=False)  # absent, once each
         self.held.update(to_write)
         self._writing.update(to_write)
         quarantine = self._quarantine

@@ -132,6 +132,10 @@ class ARCPolicy(EvictionPolicy):
         held = set(t1.held_of(keys)) | set(t2.held_of(keys))
         if held or len(set(keys)) != len(keys):
             raise KeyError(_first_held_or_repeated(keys, held))
+        self.insert_new(keys, evictable)
+
+    def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        t1, t2 = self._t1, self._t2
         # insert() key by key, with the lists' sizes kept here: ghost hits go to T2, other keys
         # to T1, each trimming the ghosts as it would (a trim can drop a later key's ghost).
         b1, b2 = self._b1, self._b2
@@ -169,8 +173,8 @@ class ARCPolicy(EvictionPolicy):
                         b1.popitem(last=False)
                         b1_size -= 1
         self._target_t1_size = p
-        t1.add_all(to_t1, evictable)
-        t2.add_all(to_t2, evictable)
+        if not (t1.add_all(to_t1, evictable) and t2.add_all(to_t2, evictable)):
+            raise KeyError("insert_new: a key was held already or listed twice")
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, bytearray, str)):

@@ -31,7 +31,8 @@ class EvictionPolicy(ABC):
     - :meth:`insert` adds a key that is absent; inserting a present key raises ``KeyError``.
     - :meth:`insert_many` and :meth:`set_evictable_many` are the batch forms of :meth:`insert`
       and :meth:`set_evictable` (the same result as one call per key, in order); each checks
-      every key before it changes anything. A manager calls them once per protocol call, so a
+      every key before it changes anything. :meth:`insert_new` is :meth:`insert_many` for a
+      caller that has checked the keys itself. A manager calls them once per protocol call, so a
       policy that overrides them saves a Python call per key; the defaults loop.
     - :meth:`touch` marks keys as used, the *first* key of the list ending most recent (a
       prefix's first block is the most valuable). Absent keys are ignored.
@@ -78,6 +79,12 @@ class EvictionPolicy(ABC):
             listed.add(key)
         for key in keys:
             self.insert(key, evictable)
+
+    def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        """:meth:`insert_many` of keys the caller guarantees are ``bytes``, absent and listed
+        once (a manager's or tier's own reservation, checked where it was made): a policy may
+        skip :meth:`insert_many`'s checks. The default makes them anyway."""
+        self.insert_many(keys, evictable)
 
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:

@@ -55,6 +55,10 @@ class LRUPolicy(EvictionPolicy):
         if not order.add_all(keys, evictable):
             raise KeyError(_first_repeated(keys))
 
+    def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
+        if not self._order.add_all(keys, evictable):  # the caller's guarantee, not met
+            raise KeyError("insert_new: a key was held already or listed twice")
+
     def touch(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys)

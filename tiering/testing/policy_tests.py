@@ -226,6 +226,22 @@ class PolicyTests:
         assert evict_one_by_one(policy) == evict_one_by_one(twin)
         assert policy_state(policy) == policy_state(twin)
 
+    @pytest.mark.parametrize("evictable", [True, False])
+    def test_insert_new_is_insert_many(
+        self, policy_factory: PolicyFactory, evictable: bool
+    ) -> None:
+        """``insert_new`` (keys the caller checked: absent, once each) does what
+        ``insert_many`` does with the same keys, ghosts and adaptation included."""
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = self._history(policy)
+        self._history(twin)
+        batch = [keys[0], policy_key(10), keys[1], policy_key(11), keys[2], policy_key(12)]
+        policy.insert_new(batch, evictable)
+        twin.insert_many(batch, evictable)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+        assert policy_state(policy) == policy_state(twin)
+
     @pytest.mark.parametrize(
         ("batch", "error", "match"),
         [
