@@ -17,8 +17,8 @@ pinned and let go within a step or two, usually before any victim search reaches
 letting a marked key go is one dict deletion that leaves it where it was. Marked keys stay few:
 once more than ``_PINNED_IN_PLACE_MAX`` are, the pinning call parks them all (O(1) amortized per
 pin), and a victim search that meets a marked key parks it and every other marked key at once.
-So a search meets at most that many pinned keys, whatever the number pinned, and pays for them
-once: nothing is skipped twice.
+So a search parks at most that many pinned keys, whatever the number pinned, and no key is
+parked twice for one pin.
 
 Unpinning a parked key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
@@ -55,7 +55,7 @@ Cost. Adding, touching and pinning a key are O(1) amortized; unpinning is O(1) (
 in place: one dict deletion) or one heap push; a victim is one ``popitem`` (with nothing
 released), O(1) from ``_rel`` or O(log n) heap work. Keys released out of order and then pinned
 or used leave stale heap entries that a victim search may meet (bounded as above); a search
-meets at most ``_PINNED_IN_PLACE_MAX`` keys pinned in place. No call does work that grows with
+parks at most ``_PINNED_IN_PLACE_MAX`` keys pinned in place. No call does work that grows with
 the number of pinned keys.
 """
 
@@ -75,9 +75,9 @@ _STALE_FACTOR = 3
 _STALE_SLACK = 64
 
 # Keys pinned while evictable stay where they are (marked) until more than this many are: then
-# the pinning call moves them all out of the victim search. A search meets at most this many
-# pinned keys (parking each as it meets it), and a load that is pinned and let go in between
-# costs two dict operations and keeps its place.
+# the pinning call moves them all out of the victim search. A search that meets one moves them
+# all (at most this many), and a load that is pinned and let go in between costs two dict
+# operations and keeps its place.
 _PINNED_IN_PLACE_MAX = 256
 
 _heappop = heapq.heappop
