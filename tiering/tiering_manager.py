@@ -370,7 +370,7 @@ class TieringOffloadingManager(OffloadingManager):
                 return MISS
         elif (
             self._tiers_held is not None
-            and not any(key in held for held in self._tiers_held)
+            and not any(key in tier_keys for tier_keys in self._tiers_held)
             and (not self._promoting or key not in self._promoting)
         ):
             self.primary_lookup_misses += 1
@@ -403,7 +403,7 @@ class TieringOffloadingManager(OffloadingManager):
                 return False
         elif (
             self._tiers_held is not None
-            and not any(key in held for held in self._tiers_held)
+            and not any(key in tier_keys for tier_keys in self._tiers_held)
             and (not self._promoting or key not in self._promoting)
         ):
             self.primary_lookup_misses += 1
