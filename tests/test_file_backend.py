@@ -1027,6 +1027,25 @@ async def test_a_buffered_get_reads_its_chunks_in_file_order_on_every_lane(
 
 
 @pytest.mark.asyncio
+async def test_a_buffered_get_reads_neighbouring_slots_in_runs_of_at_most_1_mib(
+    tmp_path: Path,
+) -> None:
+    """Each run is checksummed right after its preadv, so runs stay small enough to be in
+    the CPU cache then: 1 MiB, or one slot when a slot is bigger. Every byte still arrives."""
+    block_bytes = 256 * 1024
+    slot_bytes = slot_bytes_for(block_bytes)
+    run_slots = (1 << 20) // slot_bytes  # 3
+    ops = ReadOrderOps()
+    keys = make_keys(8)
+    blocks = [bytes([i]) * block_bytes for i in range(8)]
+    options: dict[str, Any] = {"file_ops": ops, "block_bytes": block_bytes, "batch_blocks": 8}
+    async with new_backend(tmp_path, **options) as backend:
+        assert await backend.put(keys, views(blocks)) == [OK] * 8
+        assert await read(backend, keys) == ([OK] * 8, blocks)
+    assert ops.offsets == [slot * slot_bytes for slot in range(0, 8, run_slots)]
+
+
+@pytest.mark.asyncio
 async def test_fsync_error_also_fails_a_put_whose_fsync_succeeded_meanwhile(
     tmp_path: Path,
 ) -> None:
