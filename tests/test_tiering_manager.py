@@ -629,3 +629,31 @@ def test_the_first_eviction_after_pinning_pops_no_stale_places(
     assert h.store(k(1000)) == [k(256)]  # the oldest key not pinned
     assert pops == 0
     h.manager.complete_load([k(i) for i in range(256)])
+
+
+def test_events_switched_off_are_not_built_and_switched_on_report_only_what_follows() -> None:
+    """Off, the primary records no event (nothing built to be dropped); switched on, the
+    manager reports the stores and evictions that follow, never those made while off."""
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    primary = CPUOffloadingManager(2, "lru", enable_events=True)
+    manager = TieringOffloadingManager(primary, [], pool=pool, enable_events=False)
+    try:
+        assert primary.enable_events is False
+        out = manager.prepare_store([k(1), k(2)])
+        assert out is not None
+        manager.complete_store([k(1), k(2)])
+        assert primary.take_events() == []
+        assert manager.take_events() == []
+        out = manager.prepare_store([k(3)])  # evicts k(1) while off
+        assert out is not None and list(out.evicted_keys) == [k(1)]
+        manager.enable_events = True
+        assert primary.enable_events is True
+        out = manager.prepare_store([k(4)])  # evicts k(2)
+        assert out is not None and list(out.evicted_keys) == [k(2)]
+        manager.complete_store([k(3), k(4)])
+        assert [(e.keys, e.removed) for e in manager.take_events()] == [
+            ((k(2),), True),
+            ((k(3), k(4)), False),
+        ]
+    finally:
+        manager.shutdown()

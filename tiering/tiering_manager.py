@@ -174,9 +174,8 @@ class TieringOffloadingManager(OffloadingManager):
             raise ConfigurationError(f"step_driven must be a bool, got {step_driven!r}")
         self.primary = primary
         self.tiers: list[SecondaryTier] = list(secondary_tiers)
-        self.enable_events = primary.enable_events if enable_events is None else enable_events
         self.step_driven = step_driven
-        primary.enable_events = True  # the manager forwards (or drops) the primary's events
+        self.enable_events = primary.enable_events if enable_events is None else enable_events
         self._rows = rows.numpy()
         self.row_bytes = int(rows.shape[1])
         for tier in self.tiers:
@@ -328,13 +327,23 @@ class TieringOffloadingManager(OffloadingManager):
         if self._closed:
             raise TieringError("the manager is shut down")
 
+    @property
+    def enable_events(self) -> bool:
+        """Whether :meth:`take_events` reports stored and removed blocks (settable)."""
+        return self._enable_events
+
+    @enable_events.setter
+    def enable_events(self, enabled: bool) -> None:
+        # The primary records its events only when they are forwarded: a store or eviction
+        # then builds no event that would be dropped.
+        self._enable_events = self.primary.enable_events = enabled
+
     def _pull_primary_events(self) -> None:
-        events = self.primary.take_events()
-        if self.enable_events:
-            self._events.extend(events)
+        if self._enable_events:
+            self._events += self.primary.take_events()
 
     def _emit(self, tier: SecondaryTier, keys: Sequence[bytes], removed: bool) -> None:
-        if self.enable_events and keys:
+        if self._enable_events and keys:
             self._events.append(
                 OffloadingEvent(
                     tuple(OffloadKey(k) for k in keys), tier.medium, removed, owner=tier.name
