@@ -527,10 +527,10 @@ class FileBackend(StorageBackend):
         # Each slot of a run takes up to 3 iovecs; the kernel takes at most IOV_MAX per call.
         self._max_run = max(1, min(batch_blocks, os.sysconf("SC_IOV_MAX") // 3))
         # A buffered read checksums each run right after its preadv: runs of at most 1 MiB
-        # are still in the CPU cache then (runs of 8 MiB were checksummed from memory: 0.86-0.89x
-        # of raw preadv at 256 KiB, 0.98-1.03x in runs of 768 KiB), and the kernel's readahead
-        # keeps the device busy meanwhile. O_DIRECT has no readahead: the bigger the call, the
-        # more the device is asked at once.
+        # are still in the CPU cache then, and the kernel's readahead keeps the device busy
+        # meanwhile (cold reads at 256 KiB, pairs of passes: 0.86-0.89x of raw preadv in runs
+        # of 8 MiB, 0.89-1.03x in runs of 2-3 slots). O_DIRECT has no readahead: the bigger the
+        # call, the more the device is asked at once.
         self._read_run_slots = (
             self._max_run
             if o_direct
