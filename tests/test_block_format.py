@@ -17,6 +17,7 @@ from tiering.backends.block_format import (
     MAX_KEY_BYTES,
     BlockHeader,
     checksum,
+    checksum_in_parts,
     make_layout_fingerprint,
     pack_header,
     unpack_header,
@@ -130,3 +131,26 @@ def test_layout_fingerprints_are_stable_and_order_free() -> None:
     again = make_layout_fingerprint({"groups": [1, 2], "dtype": "bfloat16", "block_bytes": 4096})
     other = make_layout_fingerprint({"groups": [1, 2], "dtype": "float16", "block_bytes": 4096})
     assert first == again != other and len(first) == 16
+
+
+@pytest.mark.parametrize("cuts", [[], [0], [1], [100, 4096], [1 << 20], [5, 6, 7, 8]])
+def test_a_checksum_in_parts_is_the_checksum_of_the_whole(cuts: list[int]) -> None:
+    payload = bytes(range(256)) * 5000
+    running = checksum_in_parts()
+    for start, stop in zip([0, *cuts], [*cuts, len(payload)], strict=True):
+        running.update(memoryview(payload)[start:stop])
+    assert running.intdigest() == checksum(payload)
+
+
+def test_verify_block_compares_a_checksum_given_instead_of_computing_it() -> None:
+    payload = b"\x01" * 64
+    header = unpack_header(pack_header(b"key-1", payload, b"f" * 16))
+    verify_block(header, payload, expected_key=b"key-1", expected_fingerprint=b"f" * 16)
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        verify_block(
+            header,
+            payload,
+            expected_key=b"key-1",
+            expected_fingerprint=b"f" * 16,
+            payload_checksum=checksum(payload) ^ 1,
+        )

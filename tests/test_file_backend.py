@@ -1045,6 +1045,66 @@ async def test_a_buffered_get_reads_neighbouring_slots_in_runs_of_at_most_1_mib(
     assert ops.offsets == [slot * slot_bytes for slot in range(0, 8, run_slots)]
 
 
+BIG_BLOCK = 3 * (1 << 19)  # 1.5 MiB: a buffered get reads it in a 1 MiB part and a 0.5 MiB one
+
+
+def big_payload(i: int) -> bytes:
+    return (bytes([i]) * 7 + bytes(range(256))) * (BIG_BLOCK // 263) + bytes(BIG_BLOCK % 263)
+
+
+@pytest.mark.asyncio
+async def test_a_buffered_get_reads_a_slot_over_1_mib_in_parts_checksummed_as_they_arrive(
+    tmp_path: Path,
+) -> None:
+    """Parts of 1 MiB, the header area with the first; every byte arrives, and a payload
+    damaged in any part is CORRUPT (its checksum spans the parts)."""
+    slot_bytes = slot_bytes_for(BIG_BLOCK)
+    ops = ReadOrderOps()
+    keys = make_keys(3)
+    blocks = [big_payload(i) for i in range(3)]
+    options: dict[str, Any] = {"file_ops": ops, "block_bytes": BIG_BLOCK}
+    async with new_backend(tmp_path, n_slots=3, **options) as backend:
+        assert await backend.put(keys, views(blocks)) == [OK] * 3
+        ops.offsets.clear()
+        assert await read(backend, keys) == ([OK] * 3, blocks)
+        assert ops.offsets == [
+            offset
+            for slot in range(3)
+            for offset in (slot * slot_bytes, slot * slot_bytes + HEADER_AREA_BYTES + (1 << 20))
+        ]
+        # one byte changed in the second part of slot 1, one in the first part of slot 2
+        patch_file(backend.slots_path, slot_bytes + HEADER_AREA_BYTES + (1 << 20) + 5, b"\x00")
+        patch_file(backend.slots_path, 2 * slot_bytes + HEADER_AREA_BYTES + 5, b"\xff")
+        outcomes, data = await read(backend, keys)
+        assert outcomes == [OK, CORRUPT, CORRUPT]
+        assert data[0] == blocks[0]
+        assert await backend.contains(keys) == [True, False, False]
+
+
+@pytest.mark.asyncio
+async def test_a_read_error_in_a_later_part_fails_only_that_slot(tmp_path: Path) -> None:
+    keys = make_keys(2)
+    blocks = [big_payload(i) for i in range(2)]
+    ops = FaultyFileOps()
+    options: dict[str, Any] = {"file_ops": ops, "block_bytes": BIG_BLOCK}
+    async with new_backend(tmp_path, n_slots=2, **options) as backend:
+        assert await backend.put(keys, views(blocks)) == [OK] * 2
+        ops.fail_on["preadv"] = {ops.calls["preadv"] + 2: errno.EIO}  # slot 0's second part
+        assert await read(backend, keys) == ([FAILED, OK], [b"", blocks[1]])
+        assert await backend.contains(keys) == [False, True]  # dropped, as any read error
+
+
+@pytest.mark.asyncio
+async def test_a_slot_file_cut_inside_a_later_part_is_corrupt_not_short(tmp_path: Path) -> None:
+    keys = make_keys(1)
+    block = big_payload(0)
+    async with new_backend(tmp_path, n_slots=1, block_bytes=BIG_BLOCK) as backend:
+        assert await backend.put(keys, views([block])) == [OK]
+        os.truncate(backend.slots_path, HEADER_AREA_BYTES + (1 << 20) + 100)
+        assert await read(backend, keys) == ([CORRUPT], [b""])
+        assert await backend.contains(keys) == [False]
+
+
 @pytest.mark.asyncio
 async def test_fsync_error_also_fails_a_put_whose_fsync_succeeded_meanwhile(
     tmp_path: Path,

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "BlockHeader",
     "checksum",
+    "checksum_in_parts",
     "make_layout_fingerprint",
     "pack_header",
     "unpack_header",
@@ -61,6 +62,13 @@ _PARSE = struct.Struct(_FIXED.format + "Q")  # _FIXED, then the header checksum
 def checksum(data: bytes | bytearray | memoryview) -> int:
     """The payload checksum: xxh3-64 (runs at memory speed, releases no data)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_in_parts() -> xxhash.xxh3_64:
+    """A running :func:`checksum`: ``update`` it with consecutive parts of a payload, in
+    order; ``intdigest()`` then equals ``checksum`` of the whole (a reader can checksum each
+    part as it arrives, while it is still in the CPU cache)."""
+    return xxhash.xxh3_64()
 
 
 def make_layout_fingerprint(description: Mapping[str, object]) -> bytes:
@@ -122,8 +130,12 @@ def verify_block(
     *,
     expected_key: bytes,
     expected_fingerprint: bytes,
+    payload_checksum: int | None = None,
 ) -> None:
-    """Raise CorruptBlockError unless ``payload`` is ``expected_key``'s block for this layout."""
+    """Raise CorruptBlockError unless ``payload`` is ``expected_key``'s block for this layout.
+
+    ``payload_checksum``: the payload's :func:`checksum`, if the caller computed it already
+    (:func:`checksum_in_parts`); otherwise it is computed here."""
     if header.key != expected_key:
         raise CorruptBlockError(
             f"block holds key {header.key.hex()}, expected {expected_key.hex()}"
@@ -133,5 +145,7 @@ def verify_block(
     size = memoryview(payload).nbytes
     if header.payload_bytes != size:
         raise CorruptBlockError(f"payload is {header.payload_bytes} bytes, expected {size}")
-    if checksum(payload) != header.payload_checksum:
+    if payload_checksum is None:
+        payload_checksum = checksum(payload)
+    if payload_checksum != header.payload_checksum:
         raise CorruptBlockError("payload checksum mismatch")

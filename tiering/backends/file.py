@@ -34,12 +34,12 @@ Reads
     small buffers, payloads straight into the caller's buffers) and verifies header, stamp,
     key, fingerprint and payload checksum on the caller's bytes, right after each run's read.
     A buffered get reads in chunks of at most 8 MiB on one lane, in slot order, and in runs of
-    at most 1 MiB (or one slot), so the bytes are still in the CPU cache when they are
-    checksummed and the kernel's readahead keeps the device busy meanwhile (O_DIRECT gets take
-    ``batch_blocks`` slots per chunk and per call on every lane: bigger calls, deeper device
-    queue). A failed call is retried slot by slot, as for writes. A slot being read is pinned:
-    it is not invalidated or reused until the read finishes, so a concurrent put or
-    delete of the same key never tears a read. A block that does not verify is counted,
+    at most 1 MiB (a bigger slot in parts of 1 MiB, its checksum computed part by part), so the
+    bytes are still in the CPU cache when they are checksummed and the kernel's readahead keeps
+    the device busy meanwhile (O_DIRECT gets take ``batch_blocks`` slots per chunk and per call
+    on every lane: bigger calls, deeper device queue). A failed call is retried slot by slot,
+    as for writes. A slot being read is pinned: it is not invalidated or reused until the read
+    finishes, so a concurrent put or delete of the same key never tears a read. A block that does not verify is counted,
     dropped from the index, its header zeroed on disk, and reported ``CORRUPT``. A read error
     (EIO) does the same and reports ``FAILED``.
 
@@ -145,6 +145,7 @@ from tiering.backends.block_format import (
     HEADER_BYTES,
     MAGIC,
     MAX_KEY_BYTES,
+    checksum_in_parts,
     pack_header,
     unpack_header,
     verify_block,
@@ -536,6 +537,9 @@ class FileBackend(StorageBackend):
             if o_direct
             else max(1, min(self._max_run, _READ_RUN_BYTES // self.slot_bytes))
         )
+        # A buffered slot bigger than that is read in parts of 1 MiB, each checksummed as it
+        # arrives (cold reads of 2 MiB blocks: ~0.90x of raw read whole, ~0.94x in parts).
+        self._read_part_bytes = 0 if o_direct or block_bytes <= _READ_RUN_BYTES else _READ_RUN_BYTES
         # O_DIRECT from unaligned buffers: a run of neighbouring slots goes through a per-thread
         # bounce area of up to 8 MiB with one call, not one call per slot (one 256 KiB call at
         # a time kept the device at ~0.6x of raw O_DIRECT reads).
@@ -1375,8 +1379,38 @@ class FileBackend(StorageBackend):
         scratch = self._scratch()
         errors: list[BaseException | None] = []
         for run in self._runs(jobs, self._read_run_slots):
-            errors += self._verified(run, self._read_run(run, scratch))
+            if self._read_part_bytes and not run[0].bounce:  # one big slot a run
+                errors.append(self._read_in_parts(run[0], scratch))
+            else:
+                errors += self._verified(run, self._read_run(run, scratch))
         return errors
+
+    def _read_in_parts(self, job: _Job, scratch: _Scratch) -> BaseException | None:
+        """Read and verify one slot in parts of ``_read_part_bytes`` (the header area with the
+        first), checksumming each part right after its read; None, or why it cannot be used."""
+        part_bytes = self._read_part_bytes
+        offset = job.slot * self.slot_bytes
+        payload_sum = checksum_in_parts()
+        try:
+            for start in range(0, self.block_bytes, part_bytes):
+                part = job.view[start : start + part_bytes]
+                if start:
+                    done = self._pread_all([part], offset + HEADER_AREA_BYTES + start)
+                    wanted = part.nbytes
+                else:
+                    done = self._pread_all([scratch.area(0), part], offset)
+                    wanted = HEADER_AREA_BYTES + part.nbytes
+                if done < wanted:
+                    return CorruptBlockError(f"slot {job.slot} truncated")
+                payload_sum.update(part)
+        except OSError as exc:
+            return exc
+        try:
+            head = bytes(scratch.area(0)[:_STAMP_END])
+            self._verify_read(job, head, payload_sum.intdigest())
+        except Exception as exc:  # CorruptBlockError: this key only
+            return exc
+        return None
 
     def _read_run(self, run: list[_Job], scratch: _Scratch) -> list[BaseException | bytes]:
         """Read a run of slots into the jobs' buffers; per slot, a copy of its header and stamp
@@ -1413,12 +1447,19 @@ class FileBackend(StorageBackend):
                 errors.append(exc)
         return errors
 
-    def _verify_read(self, job: _Job, head: bytes) -> None:
-        """Check a slot read into ``job.view``; ``head``: its header area's header and stamp."""
+    def _verify_read(self, job: _Job, head: bytes, payload_checksum: int | None = None) -> None:
+        """Check a slot read into ``job.view``; ``head``: its header area's header and stamp;
+        ``payload_checksum``: the payload's, if computed while it was read."""
         header = unpack_header(head)
         if _read_stamp(memoryview(head)) != job.seq:
             raise CorruptBlockError(f"slot {job.slot} holds another write of the key")
-        verify_block(header, job.view, expected_key=job.key, expected_fingerprint=self.fingerprint)
+        verify_block(
+            header,
+            job.view,
+            expected_key=job.key,
+            expected_fingerprint=self.fingerprint,
+            payload_checksum=payload_checksum,
+        )
 
     def _write_all(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(buf.nbytes for buf in buffers)
