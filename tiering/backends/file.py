@@ -39,9 +39,9 @@ Reads
     the device busy meanwhile (O_DIRECT gets take ``batch_blocks`` slots per chunk and per call
     on every lane: bigger calls, deeper device queue). A failed call is retried slot by slot,
     as for writes. A slot being read is pinned: it is not invalidated or reused until the read
-    finishes, so a concurrent put or delete of the same key never tears a read. A block that does not verify is counted,
-    dropped from the index, its header zeroed on disk, and reported ``CORRUPT``. A read error
-    (EIO) does the same and reports ``FAILED``.
+    finishes, so a concurrent put or delete of the same key never tears a read. A block that
+    does not verify is counted, dropped from the index, its header zeroed on disk, and reported
+    ``CORRUPT``. A read error (EIO) does the same and reports ``FAILED``.
 
 O_DIRECT
     With ``o_direct=True`` the slot file bypasses the page cache. The kernel then needs buffers
