@@ -75,6 +75,35 @@ def test_arc_touch_of_a_key_not_evictable_stays_in_t1() -> None:
     assert arc.t1_keys == () and arc.t2_keys == (a, b, k(2))
 
 
+@pytest.mark.parametrize("promoted", [1, 4])  # T1 the bigger list, then T2
+@pytest.mark.parametrize("evictable", [False, True])
+def test_arc_set_evictable_many_of_both_lists_undoes_all_on_an_absent_key(
+    promoted: int, evictable: bool
+) -> None:
+    """Keys of T1 and T2 and an absent one: KeyError naming it, and no key changed, whichever
+    list is searched first; without the absent key, each key changes as set one by one."""
+
+    def built() -> tuple[ARCPolicy, list[bytes]]:
+        arc, keys = arc_with(8, 6)
+        arc.touch(keys[:promoted])
+        if evictable:
+            arc.set_evictable_many(keys, False)
+        return arc, keys
+
+    (failed, keys), (untouched, _) = built(), built()
+    assert len(failed.t2_keys) == promoted
+    with pytest.raises(KeyError, match="key-00099"):
+        failed.set_evictable_many([keys[0], keys[5], k(99), keys[1]], evictable)
+    assert policy_state(failed) == policy_state(untouched)
+    assert evict_one_by_one(failed) == evict_one_by_one(untouched)
+    (many, _), (one_by_one, _) = built(), built()
+    many.set_evictable_many([keys[0], keys[5], keys[1]], evictable)
+    for key in (keys[0], keys[5], keys[1]):
+        one_by_one.set_evictable(key, evictable)
+    assert policy_state(many) == policy_state(one_by_one)
+    assert evict_one_by_one(many) == evict_one_by_one(one_by_one)
+
+
 def test_arc_victims_become_ghosts_of_their_list() -> None:
     arc, (a, b, c, d) = arc_with(4, 4)
     arc.touch([c, d])

@@ -187,14 +187,17 @@ class ARCPolicy(EvictionPolicy):
             raise KeyError(key)
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
-        t1, t2 = self._t1, self._t2
-        changed_t1, rest = t1.set_evictable_each(keys, evictable)
+        # The bigger list first: a key is likelier to be there, and the second pass shorter.
+        first, second = (
+            (self._t2, self._t1) if self._t2.size > self._t1.size else (self._t1, self._t2)
+        )
+        changed_first, rest = first.set_evictable_each(keys, evictable)
         if not rest:
             return
-        changed_t2, absent = t2.set_evictable_each(rest, evictable)
+        changed_second, absent = second.set_evictable_each(rest, evictable)
         if absent:
-            t1.set_evictable_each(changed_t1, not evictable)
-            t2.set_evictable_each(changed_t2, not evictable)
+            first.set_evictable_each(changed_first, not evictable)
+            second.set_evictable_each(changed_second, not evictable)
             raise KeyError(absent[0])
 
     def remove(self, key: bytes) -> None:
