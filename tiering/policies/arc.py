@@ -221,7 +221,7 @@ class ARCPolicy(EvictionPolicy):
         from_t1 = min(n, t1_size - math.floor(p)) if t1_size > p else 0
         try:
             to_b1 = t1.take(from_t1, guard) if from_t1 else []
-            to_b2 = t2.take(n - len(to_b1), guard)
+            to_b2 = t2.take(n - len(to_b1), guard) if n > len(to_b1) else []
             short = n - len(to_b1) - len(to_b2)
             more_b1 = t1.take(short, guard) if short else []
         except BaseException:
