@@ -75,10 +75,11 @@ def test_arc_touch_of_a_key_not_evictable_stays_in_t1() -> None:
     assert arc.t1_keys == () and arc.t2_keys == (a, b, k(2))
 
 
+@pytest.mark.parametrize("order", [[0, 5, 1], [5, 0, 1]])  # the first key in T2, in T1
 @pytest.mark.parametrize("promoted", [1, 4])  # T1 the bigger list, then T2
 @pytest.mark.parametrize("evictable", [False, True])
 def test_arc_set_evictable_many_of_both_lists_undoes_all_on_an_absent_key(
-    promoted: int, evictable: bool
+    order: list[int], promoted: int, evictable: bool
 ) -> None:
     """Keys of T1 and T2 and an absent one: KeyError naming it, and no key changed, whichever
     list is searched first; without the absent key, each key changes as set one by one."""
@@ -91,14 +92,15 @@ def test_arc_set_evictable_many_of_both_lists_undoes_all_on_an_absent_key(
         return arc, keys
 
     (failed, keys), (untouched, _) = built(), built()
-    assert len(failed.t2_keys) == promoted
+    assert len(failed.t2_keys) == promoted and keys[0] in failed.t2_keys
+    batch = [keys[i] for i in order]
     with pytest.raises(KeyError, match="key-00099"):
-        failed.set_evictable_many([keys[0], keys[5], k(99), keys[1]], evictable)
+        failed.set_evictable_many([*batch[:2], k(99), batch[2]], evictable)
     assert policy_state(failed) == policy_state(untouched)
     assert evict_one_by_one(failed) == evict_one_by_one(untouched)
     (many, _), (one_by_one, _) = built(), built()
-    many.set_evictable_many([keys[0], keys[5], keys[1]], evictable)
-    for key in (keys[0], keys[5], keys[1]):
+    many.set_evictable_many(batch, evictable)
+    for key in batch:
         one_by_one.set_evictable(key, evictable)
     assert policy_state(many) == policy_state(one_by_one)
     assert evict_one_by_one(many) == evict_one_by_one(one_by_one)

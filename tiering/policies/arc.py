@@ -187,10 +187,10 @@ class ARCPolicy(EvictionPolicy):
             raise KeyError(key)
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
-        # The bigger list first: a key is likelier to be there, and the second pass shorter.
-        first, second = (
-            (self._t2, self._t1) if self._t2.size > self._t1.size else (self._t1, self._t2)
-        )
+        # The list of the first key first: a call's keys are usually all new (T1: a store made
+        # ready) or all reused (mostly T2: a load pinned and let go), so the second pass is short.
+        t1, t2 = self._t1, self._t2
+        first, second = (t2, t1) if keys and keys[0] in t2 else (t1, t2)
         changed_first, rest = first.set_evictable_each(keys, evictable)
         if not rest:
             return
