@@ -169,3 +169,20 @@ def test_reset_cache_drops_everything(manager: CPUOffloadingManager) -> None:
     assert stored(manager, 3) == [0]
     manager.shutdown()
     manager.shutdown()
+
+
+def test_a_pin_the_policy_refuses_counts_nothing() -> None:
+    """``pin`` (a tiering manager's hold) of a key the policy does not hold raises, and the
+    keys before it are not left pinned."""
+    manager = CPUOffloadingManager(2, "lru")
+    out = manager.prepare_store([k(1), k(2)])
+    assert out is not None
+    manager.complete_store([k(1), k(2)])
+    manager.prepare_load([k(2)])
+    with pytest.raises(KeyError):
+        manager.pin([k(1), k(2), k(9)])
+    manager.complete_load([k(2)])  # the one load of k(2): its count is back to 1, not 2
+    with pytest.raises(ProtocolError, match="only 0 load"):
+        manager.complete_load([k(1)])
+    out = manager.prepare_store([k(3), k(4)])
+    assert out is not None and sorted(out.evicted_keys) == [k(1), k(2)]

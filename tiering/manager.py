@@ -231,18 +231,21 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_load_checked(self, key_list: list[OffloadKey]) -> None:
         """:meth:`complete_load` of keys :func:`~tiering.keys.check_keys` already checked."""
         pins = self._pins
-        if len(dict.fromkeys(key_list)) != len(key_list) or not all(
-            map(pins.__contains__, key_list)
-        ):
-            self._check_unpins(key_list)  # raises, naming the first key short of pins
+        get = pins.get
         unpinned: list[OffloadKey] = []
-        for key in key_list:
-            left = pins[key] - 1
-            if left:
+        # One pass, undone if a key turns out short of pins (a key listed more often than it
+        # was loaded): checking first cost two more passes over the keys on every call.
+        for done, key in enumerate(key_list):
+            left = get(key, 0) - 1
+            if left > 0:
                 pins[key] = left
-            else:
+            elif not left:
                 del pins[key]
                 unpinned.append(key)
+            else:
+                for undone in key_list[:done]:
+                    pins[undone] = get(undone, 0) + 1
+                self._check_unpins(key_list)  # raises, naming the first key short of pins
         if unpinned:
             self._policy.set_evictable_many(unpinned, True)
 
@@ -261,12 +264,24 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _pin(self, key_list: list[OffloadKey]) -> None:
         pins = self._pins
-        first = [key for key in key_list if key not in pins]  # a key listed twice: no matter
-        if first:
-            self._policy.set_evictable_many(first, False)
         get = pins.get
+        first: list[OffloadKey] = []  # the keys no load pinned yet, once each
         for key in key_list:
-            pins[key] = get(key, 0) + 1
+            count = get(key, 0)
+            if not count:
+                first.append(key)
+            pins[key] = count + 1
+        if first:
+            try:
+                self._policy.set_evictable_many(first, False)
+            except BaseException:
+                for key in key_list:  # counted above: take the counts back
+                    left = pins[key] - 1
+                    if left:
+                        pins[key] = left
+                    else:
+                        del pins[key]
+                raise
 
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None

@@ -330,6 +330,21 @@ class ManagerTests:
         manager.complete_load([k(1)])
         assert [manager.lookup_result(x) for x in (k(1), k(2))] == [HIT, HIT_PENDING]
 
+    def test_a_complete_load_short_of_pins_unpins_none_of_its_keys(
+        self, new_manager: ManagerFactory
+    ) -> None:
+        manager = new_manager(2)
+        self.store(manager, [k(1), k(2)])
+        manager.prepare_load([k(1), k(2)])
+        with pytest.raises(ProtocolError, match=r"x2 but only 1 load"):
+            manager.complete_load([k(1), k(2), k(2)])  # k(1) and k(2) went to 0 before k(2)
+        assert manager.prepare_store([k(3)]) is None  # both still pinned
+        manager.complete_load([k(2), k(1)])
+        with pytest.raises(ProtocolError, match="only 0 load"):
+            manager.complete_load([k(1)])
+        out = manager.prepare_store([k(3)])
+        assert out is not None and len(out.evicted_keys) == 1
+
     # -- stores -----------------------------------------------------------------------------------
 
     def test_prepare_store_filters_present_and_dedupes(self, new_manager: ManagerFactory) -> None:
