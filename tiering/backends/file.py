@@ -529,8 +529,8 @@ class FileBackend(StorageBackend):
         self._max_run = max(1, min(batch_blocks, os.sysconf("SC_IOV_MAX") // 3))
         # A buffered read checksums each run right after its preadv: runs of at most 1 MiB
         # are still in the CPU cache then, and the kernel's readahead keeps the device busy
-        # meanwhile (cold reads at 256 KiB, pairs of passes: 0.86-0.89x of raw preadv in runs
-        # of 8 MiB, 0.89-1.03x in runs of 2-3 slots). O_DIRECT has no readahead: the bigger the
+        # meanwhile (cold reads at 256 KiB, pairs of passes: 0.86-0.92x of raw preadv in runs
+        # of 16 slots, 0.87-1.03x in runs of 2-3 slots). O_DIRECT has no readahead: the bigger the
         # call, the more the device is asked at once.
         self._read_run_slots = (
             self._max_run
