@@ -1379,7 +1379,7 @@ class FileBackend(StorageBackend):
         scratch = self._scratch()
         errors: list[BaseException | None] = []
         for run in self._runs(jobs, self._read_run_slots):
-            if self._read_part_bytes and not run[0].bounce:  # one big slot a run
+            if self._read_part_bytes:  # buffered (never bounced), one big slot a run
                 errors.append(self._read_in_parts(run[0], scratch))
             else:
                 errors += self._verified(run, self._read_run(run, scratch))
