@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from tiering.backends.base import Outcome
 from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
+from tiering.errors import InvalidKeyError, TieringError
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
@@ -480,6 +483,96 @@ def test_step_driven_tiers_open_at_the_first_step_boundary() -> None:
         assert tier.status == "opening"  # done, not applied: no call applies it mid-step
         manager.on_schedule_end()
         assert tier.status == "open" and not manager.has_pending_work()
+    finally:
+        manager.shutdown()
+
+
+def _lookup_states(h: Harness) -> list[OffloadKey]:
+    """Keys in every state a step-driven lookup answers, in a primary of 4 blocks: 1, 2 and 3
+    only in the tier, 4, 5 and 6 ready in the primary, 7 being stored there, 99 and 100 in no
+    tier. Asked in this order, 1, 2 and 5 are promoted (evicting 4, 5 and 6), and 3 and 6 find
+    no room left this step."""
+    h.store(k(1), k(2), k(3), k(4))
+    h.settle()
+    h.store(k(5), k(6))
+    h.settle()
+    assert h.manager.prepare_store([k(7)]) is not None
+    return [k(i) for i in (4, 7, 1, 1, 2, 99, 5, 3, 6, 100)]
+
+
+def test_the_step_driven_one_tier_lookup_answers_and_counts_as_the_method(
+    harness_factory: type[Harness],
+) -> None:
+    """A step-driven manager with one indexed tier installs a closure as ``lookup_result`` (the
+    engine's hottest call); it gives the method's answers, counts and side effects in every
+    state: ready, being stored, promoted (RETRY, then RETRY while promoting), no room, absent."""
+    fast = harness_factory(4, [memory_tier(8)], step_driven=True)
+    slow = harness_factory(4, [memory_tier(8)], step_driven=True)
+    assert "lookup_result" in vars(fast.manager)  # the closure, not the method
+    assert fast.manager.lookup_result.__doc__ == TieringOffloadingManager.lookup_result.__doc__
+    keys = _lookup_states(fast)
+    assert _lookup_states(slow) == keys
+    fast_answers = [fast.manager.lookup_result(key, req_context="r") for key in keys]
+    slow_answers = [
+        TieringOffloadingManager.lookup_result(slow.manager, key, req_context="r") for key in keys
+    ]
+    hit, pending, miss = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+    assert fast_answers == [hit, pending, RETRY, RETRY, RETRY, miss, RETRY, miss, miss, miss]
+    assert slow_answers == fast_answers
+    assert fast.manager.metrics()["primary"] == slow.manager.metrics()["primary"]
+    counts = fast.manager.metrics()["primary"]
+    assert (counts["lookup_hits"], counts["lookup_pending"], counts["lookup_misses"]) == (1, 2, 7)
+    assert fast.manager.take_events() == slow.manager.take_events()
+    for h in (fast, slow):
+        h.manager.on_schedule_end()
+        h.settle()
+        h.manager.on_schedule_end()
+    assert [j.keys for j in fast.manager.inflight_jobs()] == [
+        j.keys for j in slow.manager.inflight_jobs()
+    ]
+    assert fast.manager.lookup_result(k(1)) is hit  # promoted
+    fast.assert_loaded_exact(k(1))
+    with pytest.raises(InvalidKeyError):
+        fast.manager.lookup_result("not bytes")  # type: ignore[arg-type]
+    fast.manager.shutdown()
+    with pytest.raises(TieringError, match="shut down"):
+        fast.manager.lookup_result(k(4))
+
+
+def test_the_step_driven_lookup_closure_keeps_no_manager_alive() -> None:
+    """The closure holds no reference to its manager: a dropped manager is freed at once (its
+    I/O thread stops), and the closure then says it is shut down."""
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    manager = TieringOffloadingManager(
+        CPUOffloadingManager(2), [memory_tier(8)], pool=pool, step_driven=True
+    )
+    manager.on_schedule_end()
+    manager.wait_ready()
+    lookup = manager.lookup_result
+    assert lookup(k(1)) is LookupResult.MISS
+    alive = weakref.ref(manager)
+    gc.disable()  # freed by reference counting, not by a collection
+    try:
+        del manager
+        assert alive() is None
+    finally:
+        gc.enable()
+    with pytest.raises(TieringError, match="shut down"):
+        lookup(k(1))
+
+
+def test_a_subclass_lookup_result_is_not_replaced_by_the_closure() -> None:
+    class Counting(TieringOffloadingManager):
+        calls = 0
+
+        def lookup_result(self, key: OffloadKey, req_context: object = None) -> LookupResult:
+            Counting.calls += 1
+            return super().lookup_result(key, req_context)
+
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    manager = Counting(CPUOffloadingManager(2), [memory_tier(8)], pool=pool, step_driven=True)
+    try:
+        assert manager.lookup_result(k(1)) is LookupResult.MISS and Counting.calls == 1
     finally:
         manager.shutdown()
 
