@@ -75,6 +75,34 @@ def test_arc_touch_of_a_key_not_evictable_stays_in_t1() -> None:
     assert arc.t1_keys == () and arc.t2_keys == (a, b, k(2))
 
 
+def test_arc_pins_in_place_are_shared_and_parked_in_the_list_holding_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """T1 and T2 share their marks: ``pin_evictable`` marks a key of either without looking up
+    its list; past the bound, the pinning call parks each marked key in the list that holds it;
+    victims skip them, and let go they return to their places."""
+    monkeypatch.setattr(order_module, "_PINNED_IN_PLACE_MAX", 2)
+    arc = ARCPolicy(8)
+    keys = [k(i) for i in range(6)]
+    arc.insert_many(keys)
+    arc.touch([keys[0], keys[1]])  # T2: 1, 0 (the first key ends most recent)
+    assert arc.t1_keys == (keys[2], keys[3], keys[4], keys[5])
+    assert arc.t2_keys == (keys[1], keys[0])
+    t1, t2 = arc._t1, arc._t2
+    arc.pin_evictable([keys[0], keys[2]])  # one of each list: marked where they stand
+    assert t1._pinned_in_place is t2._pinned_in_place
+    assert set(t1._pinned_in_place) == {keys[0], keys[2]} and not t1._parked and not t2._parked
+    arc.pin_evictable([keys[3]])  # past the bound: T1's call parks T2's key in T2
+    assert not t1._pinned_in_place
+    assert set(t1._parked) == {keys[2], keys[3]} and set(t2._parked) == {keys[0]}
+    assert arc.t1_keys == (keys[2], keys[3], keys[4], keys[5])  # places kept
+    assert arc.t2_keys == (keys[1], keys[0])
+    assert arc.evict(3) == [keys[4], keys[5], keys[1]]  # T1 (|T1| > p), then T2
+    assert arc.evict(1) is None  # the rest are pinned
+    arc.set_evictable_many([keys[0], keys[3], keys[2]], True)
+    assert arc.evict(3) == [keys[2], keys[3], keys[0]]
+
+
 @pytest.mark.parametrize("order", [[0, 5, 1], [5, 0, 1]])  # the first key in T2, in T1
 @pytest.mark.parametrize("promoted", [1, 4])  # T1 the bigger list, then T2
 @pytest.mark.parametrize("evictable", [False, True])
@@ -520,6 +548,16 @@ class PolicyMachine(RuleBasedStateMachine):
             else:
                 self.model.pinned.add(key)
 
+    @rule(data=st.data())
+    def pin_evictable(self, data: st.DataObject) -> None:
+        """The unchecked pin of keys held and evictable, listed once (a manager's loads)."""
+        evictable = [key for key in self.model.held() if key not in self.model.pinned]
+        if not evictable:
+            return
+        keys = data.draw(st.lists(st.sampled_from(evictable), unique=True, max_size=4))
+        self.policy.pin_evictable(keys)
+        self.model.pinned.update(keys)
+
     @rule(keys=st.lists(pool_keys, max_size=4))
     def touch(self, keys: list[bytes]) -> None:
         self.policy.touch(keys)
@@ -645,9 +683,12 @@ class _FewPinsInPlaceMixin(_CompactingMixin):
     @invariant()
     def pinned_in_place_are_held_in_place(self) -> None:
         for order in _orders(self.policy):
+            # ARC's lists share their marks: a key marked is in the _main of one of them.
+            orders = [order] if order._partner is None else [order, order._partner]
             assert len(order._pinned_in_place) <= order_module._PINNED_IN_PLACE_MAX
-            assert all(key in order._main for key in order._pinned_in_place)
-            assert not any(key in order._parked for key in order._pinned_in_place)
+            for key in order._pinned_in_place:
+                assert sum(key in o._main for o in orders) == 1
+                assert not any(key in o._parked for o in orders)
 
 
 class LRUFewPinsInPlaceMachine(_FewPinsInPlaceMixin, LRUMachine):

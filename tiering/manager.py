@@ -215,7 +215,7 @@ class CPUOffloadingManager(OffloadingManager):
                     raise ProtocolError(f"cannot load key {key.hex()}: it is not stored")
                 if key in not_ready:
                     raise ProtocolError(f"cannot load key {key.hex()}: it is still being written")
-        self._pin(key_list)
+        self._pin(key_list, checked=True)
         self._loaded_blocks += len(key_list)
         return LoadStoreSpec(self.medium, np.array(block_ids, dtype=np.int64))
 
@@ -262,7 +262,11 @@ class CPUOffloadingManager(OffloadingManager):
                     "were prepared"
                 )
 
-    def _pin(self, key_list: list[OffloadKey]) -> None:
+    def _pin(self, key_list: list[OffloadKey], *, checked: bool) -> None:
+        """Count a load's pin of each key; the policy pins those no load held. ``checked``:
+        the caller found every key ready (held and, with no pin, evictable), so the policy
+        need not look them up (:meth:`EvictionPolicy.pin_evictable`: one dict probe a key
+        less, ~430 ns a key at 1e6 blocks)."""
         pins = self._pins
         get = pins.get
         first: list[OffloadKey] = []  # the keys no load pinned yet, once each
@@ -273,7 +277,10 @@ class CPUOffloadingManager(OffloadingManager):
             pins[key] = count + 1
         if first:
             try:
-                self._policy.set_evictable_many(first, False)
+                if checked:
+                    self._policy.pin_evictable(first)
+                else:
+                    self._policy.set_evictable_many(first, False)
             except BaseException:
                 for key in key_list:  # counted above: take the counts back
                     left = pins[key] - 1
@@ -462,7 +469,7 @@ class CPUOffloadingManager(OffloadingManager):
     def pin(self, keys: list[OffloadKey]) -> None:
         """Pin ready keys that a lower tier is copying from (:meth:`prepare_load` without the
         checks and the load count); :meth:`complete_load` unpins them."""
-        self._pin(keys)
+        self._pin(keys, checked=False)  # the caller's word only: the policy checks
 
     # -- events, stats and lifecycle ----------------------------------------------------------
 

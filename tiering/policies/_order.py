@@ -20,6 +20,12 @@ pin), and a victim search that meets a marked key parks it and every other marke
 So a search parks at most that many pinned keys, whatever the number pinned, and no key is
 parked twice for one pin.
 
+Partners. ARC's two lists share one ``_pinned_in_place`` dict (:meth:`share_pins_with`): a
+caller that knows a key is held and evictable in one of them pins it with one dict insertion
+(:meth:`pin_all_in_place`), without looking up which list holds it. Each list's victim search
+and touches meet only its own keys, so a shared mark means the same as a list's own; parking
+moves each marked key out of whichever list holds it.
+
 Unpinning a parked key puts it back at the tail of ``_main`` with its stamp. If nothing newer was
 appended since the stamp (a store that completes: added, not ready, a moment ago), that is its
 place. Otherwise the key is *released*: out of place in ``_main`` (a use moves it as any other
@@ -98,6 +104,7 @@ class RecencyOrder:
         "_last",
         "_main",
         "_parked",
+        "_partner",
         "_pinned_in_place",
         "_rel",
         "_rel_last",
@@ -111,6 +118,7 @@ class RecencyOrder:
         self._main: OrderedDict[bytes, int] = OrderedDict()
         self._parked: dict[bytes, int] = {}
         self._pinned_in_place: dict[bytes, None] = {}
+        self._partner: RecencyOrder | None = None  # the order sharing _pinned_in_place
         self._heap: list[tuple[int, bytes]] = []
         self._rel: OrderedDict[bytes, int] = OrderedDict()
         self._rel_last = -1  # _rel's appends are newer than this (its newest stamp ever)
@@ -140,10 +148,23 @@ class RecencyOrder:
         for key, _ in sorted(entries, key=itemgetter(1)):
             yield key
 
+    def share_pins_with(self, partner: RecencyOrder) -> None:
+        """Share this order's keys pinned in place with ``partner`` (both empty): one mark
+        pins a key of either (ARC's T1 and T2)."""
+        if self.size or partner.size or self._partner or partner._partner:
+            raise ValueError("share_pins_with: both orders must be empty and unpartnered")
+        partner._pinned_in_place = self._pinned_in_place
+        self._partner, partner._partner = partner, self
+
     @property
     def evictable_count(self) -> int:
-        """How many keys may be evicted (protected ones included)."""
-        return self.size - len(self._parked) - len(self._pinned_in_place)
+        """How many keys may be evicted (protected ones included); with a partner, in the two
+        orders together (the keys pinned in place are counted once, in neither)."""
+        count = self.size - len(self._parked) - len(self._pinned_in_place)
+        partner = self._partner
+        if partner is not None:
+            count += partner.size - len(partner._parked)
+        return count
 
     def is_evictable(self, key: bytes) -> bool:
         return key not in self._parked and key not in self._pinned_in_place
@@ -311,7 +332,10 @@ class RecencyOrder:
     ) -> tuple[list[bytes], list[bytes]]:
         """:meth:`set_evictable` for each key this order holds. Returns the keys it changed and
         the keys it does not hold (both in order); calling it again with the changed keys and
-        ``not evictable`` undoes it, exactly as far as any caller can observe."""
+        ``not evictable`` undoes it, exactly as far as any caller can observe.
+
+        With a partner (shared pins), letting keys go also lets go the partner's keys pinned in
+        place (changed here); the undo reports those absent, for the partner to pin again."""
         main, parked, in_place = self._main, self._parked, self._pinned_in_place
         changed: list[bytes] = []
         absent: list[bytes] = []
@@ -347,13 +371,24 @@ class RecencyOrder:
                         in_place[key] = None
                         changed.append(key)
                 elif key not in parked:
-                    absent.append(key)
-            if len(in_place) > _PINNED_IN_PLACE_MAX:
-                stale = self._park_pinned_in_place()
-                if stale:
-                    self._released -= stale
-                    self._compact_if_stale()
+                    absent.append(key)  # (or the partner's: the caller asks it next)
+            self._park_if_many_in_place()
         return changed, absent
+
+    def pin_all_in_place(self, keys: Iterable[bytes]) -> None:
+        """Forbid evicting ``keys``, which the caller guarantees are evictable in this order or
+        its partner and listed once: each is marked where it stands (no lookup of its place)."""
+        in_place = self._pinned_in_place
+        for key in keys:
+            in_place[key] = None
+        self._park_if_many_in_place()
+
+    def _park_if_many_in_place(self) -> None:
+        if len(self._pinned_in_place) > _PINNED_IN_PLACE_MAX:
+            stale = self._park_pinned_in_place()
+            if stale:
+                self._released -= stale
+                self._compact_if_stale()
 
     # -- victim search ------------------------------------------------------------------------
 
@@ -482,15 +517,40 @@ class RecencyOrder:
         takes them off ``_released`` (no compaction here: :meth:`take` holds the heap)."""
         main, parked, rel_pop = self._main, self._parked, self._rel.pop
         stale = 0
+        partner_keys: list[bytes] = []
         for key in self._pinned_in_place:
-            stamp = main.pop(key)
+            stamp = main.pop(key, None)
+            if stamp is None:  # the partner's (pins are shared)
+                partner_keys.append(key)
+                continue
             if stamp < 0:  # released: its place goes
                 stamp = ~stamp
                 if rel_pop(key, None) is None:  # its heap entry goes stale
                     stale += 1
             parked[key] = stamp
         self._pinned_in_place.clear()
+        if partner_keys:
+            assert self._partner is not None
+            self._partner._park(partner_keys)
         return stale
+
+    def _park(self, keys: list[bytes]) -> None:
+        """Park ``keys`` of this order's ``_main`` (the marks, shared, were cleared by the
+        partner that parks them): as :meth:`_park_pinned_in_place`, stale counts settled."""
+        main, parked, rel_pop = self._main, self._parked, self._rel.pop
+        stale = 0
+        for key in keys:
+            stamp = main.pop(key, None)
+            if stamp is None:
+                continue  # held by neither: a mark pin_all_in_place's caller should not have made
+            if stamp < 0:  # released: its place goes
+                stamp = ~stamp
+                if rel_pop(key, None) is None:  # its heap entry goes stale
+                    stale += 1
+            parked[key] = stamp
+        if stale:
+            self._released -= stale
+            self._compact_if_stale()
 
     def _drop_place(self, key: bytes) -> None:
         """A released ``key`` left ``_main``: drop its place in ``_rel``, or count its heap

@@ -50,6 +50,7 @@ class ARCPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._t1 = RecencyOrder()
         self._t2 = RecencyOrder()
+        self._t1.share_pins_with(self._t2)  # a pin marks a key of either list, unlooked-for
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._target_t1_size = 0.0
@@ -188,17 +189,25 @@ class ARCPolicy(EvictionPolicy):
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
         # The list of the first key first: a call's keys are usually all new (T1: a store made
-        # ready) or all reused (mostly T2: a load pinned and let go), so the second pass is short.
+        # ready) or all reused (mostly T2: a load pinned and let go), so the other list's pass
+        # is short. The lists share their pins in place: either one pins a key of both, and
+        # lets go any key pinned in place; the second pass meets the other list's parked keys.
         t1, t2 = self._t1, self._t2
         first, second = (t2, t1) if keys and keys[0] in t2 else (t1, t2)
-        changed_first, rest = first.set_evictable_each(keys, evictable)
+        changed, rest = first.set_evictable_each(keys, evictable)
         if not rest:
             return
         changed_second, absent = second.set_evictable_each(rest, evictable)
         if absent:
-            first.set_evictable_each(changed_first, not evictable)
-            second.set_evictable_each(changed_second, not evictable)
+            # Undo: each changed key is held (in place, parked, or back in its list's _main).
+            changed += changed_second
+            undone, elsewhere = t1.set_evictable_each(changed, not evictable)
+            if elsewhere:
+                t2.set_evictable_each(elsewhere, not evictable)
             raise KeyError(absent[0])
+
+    def pin_evictable(self, keys: Sequence[bytes]) -> None:
+        self._t1.pin_all_in_place(keys)  # shared with T2: no lookup of the key's list
 
     def remove(self, key: bytes) -> None:
         if not self._t1.discard(key):
@@ -211,7 +220,7 @@ class ARCPolicy(EvictionPolicy):
         if n == 0:
             return []
         t1, t2 = self._t1, self._t2
-        if n > t1.evictable_count + t2.evictable_count:
+        if n > t1.evictable_count:  # of T1 and T2 together (partners)
             return None  # hopeless: fail before any search
         # One victim at a time: from T1 while |T1| > p (|T1| shrinks with each T1 victim; p
         # does not change), else from T2; a list with nothing evictable left gives way to the

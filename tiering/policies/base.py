@@ -34,6 +34,8 @@ class EvictionPolicy(ABC):
       every key before it changes anything. :meth:`insert_new` is :meth:`insert_many` for a
       caller that has checked the keys itself. A manager calls them once per protocol call, so a
       policy that overrides them saves a Python call per key; the defaults loop.
+      :meth:`pin_evictable` is :meth:`set_evictable_many` (``False``) for a caller that knows
+      the keys are held and evictable.
     - :meth:`touch` marks keys as used, the *first* key of the list ending most recent (a
       prefix's first block is the most valuable). Absent keys are ignored.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
@@ -102,6 +104,13 @@ class EvictionPolicy(ABC):
                 raise KeyError(key)
         for key in keys:
             self.set_evictable(key, evictable)
+
+    def pin_evictable(self, keys: Sequence[bytes]) -> None:
+        """``set_evictable_many(keys, False)`` of keys the caller guarantees are held,
+        evictable and listed once (a manager that counts its loads' pins itself, pinning a
+        ready key no load holds): a policy may skip looking each one up. The default makes the
+        checked call."""
+        self.set_evictable_many(keys, False)
 
     @abstractmethod
     def remove(self, key: bytes) -> None:

@@ -75,6 +75,9 @@ class LRUPolicy(EvictionPolicy):
             order.set_evictable_each(changed, not evictable)
             raise KeyError(absent[0])
 
+    def pin_evictable(self, keys: Sequence[bytes]) -> None:
+        self._order.pin_all_in_place(keys)
+
     def remove(self, key: bytes) -> None:
         self._order.discard(key)
 

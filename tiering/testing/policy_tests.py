@@ -280,6 +280,22 @@ class PolicyTests:
         assert policy_state(policy) == policy_state(twin)
         assert evict_one_by_one(policy) == evict_one_by_one(twin)
 
+    def test_pin_evictable_is_set_evictable_many_false(self, policy_factory: PolicyFactory) -> None:
+        """The unchecked pin (held, evictable keys, once each), then letting them go, leaves
+        the policy as the checked calls do."""
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = self._history(policy)
+        self._history(twin)
+        batch = [key for key in keys if key in policy and key != keys[3]]  # keys[3] is pinned
+        policy.pin_evictable(batch)
+        twin.set_evictable_many(batch, False)
+        assert policy_state(policy) == policy_state(twin)
+        assert policy.evict(1) is None and twin.evict(1) is None  # every held key is pinned
+        policy.set_evictable_many(batch[::-1], True)
+        twin.set_evictable_many(batch[::-1], True)
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+
     @pytest.mark.parametrize("evictable", [True, False])
     def test_set_evictable_many_with_an_absent_key_changes_nothing(
         self, policy_factory: PolicyFactory, evictable: bool
