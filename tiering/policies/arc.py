@@ -193,7 +193,12 @@ class ARCPolicy(EvictionPolicy):
         # is short. The lists share their pins in place: either one pins a key of both, and
         # lets go any key pinned in place; the second pass meets the other list's parked keys.
         t1, t2 = self._t1, self._t2
-        first, second = (t2, t1) if keys and keys[0] in t2 else (t1, t2)
+        if not keys:
+            return
+        # Keys let go are pinned in place (either list will do) or parked in their own list;
+        # keys pinned are in their list's _main. One probe either way, no call.
+        in_t2 = keys[0] in (t2._parked if evictable else t2._main)
+        first, second = (t2, t1) if in_t2 else (t1, t2)
         changed, rest = first.set_evictable_each(keys, evictable)
         if not rest:
             return
