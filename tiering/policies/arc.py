@@ -206,7 +206,7 @@ class ARCPolicy(EvictionPolicy):
         if absent:
             # Undo: each changed key is held (in place, parked, or back in its list's _main).
             changed += changed_second
-            undone, elsewhere = t1.set_evictable_each(changed, not evictable)
+            _, elsewhere = t1.set_evictable_each(changed, not evictable)
             if elsewhere:
                 t2.set_evictable_each(elsewhere, not evictable)
             raise KeyError(absent[0])
