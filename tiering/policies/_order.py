@@ -514,43 +514,36 @@ class RecencyOrder:
     def _park_pinned_in_place(self) -> int:
         """Move every key pinned in place out of ``_main`` into ``_parked``: O(keys), at most
         ``_PINNED_IN_PLACE_MAX``. Returns how many valid heap entries went stale; the caller
-        takes them off ``_released`` (no compaction here: :meth:`take` holds the heap)."""
+        takes them off ``_released`` (no compaction here: :meth:`take` holds the heap). The
+        partner's marked keys (pins are shared) go to the partner's ``_parked``."""
+        stale, elsewhere = self._park_keys(self._pinned_in_place)
+        self._pinned_in_place.clear()
+        if elsewhere:
+            assert self._partner is not None
+            partner_stale, _ = self._partner._park_keys(elsewhere)
+            if partner_stale:  # the partner holds no search: it settles them at once
+                self._partner._released -= partner_stale
+                self._partner._compact_if_stale()
+        return stale
+
+    def _park_keys(self, keys: Iterable[bytes]) -> tuple[int, list[bytes]]:
+        """Move ``keys`` of ``_main`` into ``_parked``. Returns how many valid heap entries went
+        stale, and the keys ``_main`` does not hold (the partner's; or, from a caller of
+        :meth:`pin_all_in_place` that broke its word, neither's: dropped by the partner)."""
         main, parked, rel_pop = self._main, self._parked, self._rel.pop
         stale = 0
-        partner_keys: list[bytes] = []
-        for key in self._pinned_in_place:
+        elsewhere: list[bytes] = []
+        for key in keys:
             stamp = main.pop(key, None)
-            if stamp is None:  # the partner's (pins are shared)
-                partner_keys.append(key)
+            if stamp is None:
+                elsewhere.append(key)
                 continue
             if stamp < 0:  # released: its place goes
                 stamp = ~stamp
                 if rel_pop(key, None) is None:  # its heap entry goes stale
                     stale += 1
             parked[key] = stamp
-        self._pinned_in_place.clear()
-        if partner_keys:
-            assert self._partner is not None
-            self._partner._park(partner_keys)
-        return stale
-
-    def _park(self, keys: list[bytes]) -> None:
-        """Park ``keys`` of this order's ``_main`` (the marks, shared, were cleared by the
-        partner that parks them): as :meth:`_park_pinned_in_place`, stale counts settled."""
-        main, parked, rel_pop = self._main, self._parked, self._rel.pop
-        stale = 0
-        for key in keys:
-            stamp = main.pop(key, None)
-            if stamp is None:
-                continue  # held by neither: a mark pin_all_in_place's caller should not have made
-            if stamp < 0:  # released: its place goes
-                stamp = ~stamp
-                if rel_pop(key, None) is None:  # its heap entry goes stale
-                    stale += 1
-            parked[key] = stamp
-        if stale:
-            self._released -= stale
-            self._compact_if_stale()
+        return stale, elsewhere
 
     def _drop_place(self, key: bytes) -> None:
         """A released ``key`` left ``_main``: drop its place in ``_rel``, or count its heap
