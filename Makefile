@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # offloading modules import, pinned in one file. pip caches the 336 MB wheel.
 VLLM_REQUIREMENTS := requirements/vllm-test.txt
 
-.PHONY: install test lint typecheck pytest demo bench clean
+.PHONY: install test lint typecheck pytest demo bench clean gpu-wheels gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,25 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/run_all.py --out docs/benchmarks.md
+
+# The GPU proof (benchmarks/gpu_check.py). A GPU machine here has CUDA torch, Triton and
+# transformers but no package registry: `make gpu-wheels` (where pip works) fills .gpu-wheels/
+# for its Python 3.12, the folder travels with the tree, and `make gpu-check` (there, with the
+# image's own python3) installs them with --no-index and writes its results into $$OUT.
+# GPU_CHECK_DRY_RUN=1 runs the same steps on CPU with tiny sizes (make test does).
+GPU_PYTHON ?= python3
+GPU_WHEELS := .gpu-wheels
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) --platform any \
+		-d $(GPU_WHEELS) -r requirements/gpu-wheels.txt
+	@du -sh $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 # The demo's tiers go first: `tiering wipe` deletes only the files tiering created there (an
 # operator's file in a tier directory stays), then the folders it left empty.
