@@ -53,3 +53,25 @@ def test_auto_picks_memmove_for_cpu_caches() -> None:
     model = HybridModel(0)
     assert model.engine.strategy.name == "memmove"
     assert model.engine.strategy.reason == "CPU KV caches"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("word", ["i64", "i32", "i16", "i8"])
+def test_the_page_kernel_compiles_for_hopper_without_a_gpu(word: str) -> None:
+    """The interpreter runs what a compiler refuses (``base: Any`` passed every CPU test and
+    failed on an H100's Triton): compile the real kernel to a cubin for sm_90 here."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tiering.transfer.triton_kernel import copy_chunks
+
+    signature = {"base": f"*{word}", "table": "*i64", "num_chunks": "i64"}
+    source = ASTSource(
+        fn=copy_chunks,
+        signature={**signature, "BLOCK": "constexpr", "ALIGN": "constexpr"},
+        constexprs={"BLOCK": 1024, "ALIGN": 2},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]  # machine code for the H100, built by the wheel's ptxas
+    assert ".entry copy_chunks" in compiled.asm["ptx"]

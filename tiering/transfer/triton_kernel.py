@@ -1,8 +1,10 @@
 """The page-copy kernel of the ``triton`` strategy (imported only when that strategy is built:
 ``triton`` is optional; see :mod:`tiering.transfer.triton_copy`)."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` and no annotations on the pointer and size
+# parameters: a compiling Triton (3.6 on an H100) resolves a kernel's annotations as globals
+# and refuses any that is not a constexpr (``base: Any`` failed there); the interpreter the
+# CPU tests use never looked. ``tests/test_transfer_strategies.py`` compiles it for sm_90.
 from typing import Any
 
 import triton
@@ -13,13 +15,13 @@ __all__ = ["copy_chunks", "interpreted_copy_chunks"]
 
 
 @triton.jit(do_not_specialize=["num_chunks"])  # one compiled kernel for every job size
-def copy_chunks(
-    base: Any,
-    table: Any,
-    num_chunks: Any,
+def copy_chunks(  # type: ignore[no-untyped-def]
+    base,
+    table,
+    num_chunks,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
-) -> None:
+):
     """Program ``p`` copies chunks ``p, p + P, ...`` (``P`` programs): chunk ``c`` is
     ``table[2, c]`` words from word ``table[0, c]`` to word ``table[1, c]``, both counted from
     ``base`` (either may be negative). Every offset and length is a multiple of ``ALIGN``."""
