@@ -177,7 +177,7 @@ def steps(dry_run: bool, out: Path) -> list[Step]:
         Step(
             "CUDA tests",
             [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "-rs", *tests],
-            120 if dry_run else 180,
+            120 if dry_run else 150,
             "cuda-tests.log",
         ),
         Step(
@@ -201,7 +201,7 @@ def steps(dry_run: bool, out: Path) -> list[Step]:
                 "--json",
                 str(out / "load-vs-prefill.json"),
             ],
-            120 if dry_run else 150,
+            120 if dry_run else 120,
             "load-vs-prefill.md",
         ),
     ]
