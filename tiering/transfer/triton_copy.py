@@ -126,6 +126,7 @@ class TritonPageCopy(CopyStrategy):
         self._chunk_words = max(1, chunk_bytes // self.word_bytes)
         self._align = 16 // self.word_bytes if _divides(16, geometry) else 1
         self._block = min(_BLOCK_BYTES // self.word_bytes, _pow2_at_least(self._longest_words()))
+        self._num_warps = 4  # Triton's default; a launch constant the GPU tuning script varies
         addresses = [geometry.tensor_address(t) for t in range(geometry.num_tensors)]
         anchor = int(np.argmin(addresses))
         self._base = _word_pointer(geometry.caches.tensors[anchor].tensor, self.word_bytes)
@@ -156,7 +157,10 @@ class TritonPageCopy(CopyStrategy):
 
     def _launch(self, table: torch.Tensor, num_chunks: int) -> None:
         grid = (max(1, min(num_chunks, self.max_programs)),)
-        self._kernel[grid](self._base, table, num_chunks, BLOCK=self._block, ALIGN=self._align)
+        launch = {} if self._lock is not None else {"num_warps": self._num_warps}
+        self._kernel[grid](
+            self._base, table, num_chunks, BLOCK=self._block, ALIGN=self._align, **launch
+        )
 
     def chunk_table(self, plan: CopyPlan) -> np.ndarray:
         """``(3, num_chunks)`` int64: source and destination word offsets from the base pointer,
