@@ -30,7 +30,7 @@ def tuned(bench: Bench, programs: int, warps: int, chunk_kib: int) -> TransferEn
     return engine
 
 
-def sweep(reps: int, quick: bool) -> None:
+def sweep(reps: int, quick: bool, programs_list: Sequence[int]) -> None:
     print("| page KiB | programs | warps | iter KiB | chunk KiB | store/limit | load/limit |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     settings = [
@@ -56,6 +56,26 @@ def sweep(reps: int, quick: bool) -> None:
         bench.close()
         torch.cuda.empty_cache()
     triton_copy._BLOCK_BYTES = 8 << 10
+
+
+def overlap_as_bench(programs_list: Sequence[int]) -> None:
+    """bench_gpu_transfer's own overlap table, with the Triton kernel at other program counts."""
+    import bench_gpu_transfer as bench_module
+
+    bench = Bench(torch.device("cuda"), LAYERS, HEADS, 4096, 2048)
+    for programs in programs_list:
+        bench_module.engine_for = lambda b, name, options=None, p=programs: engine_for(  # type: ignore[misc]
+            b, name, StrategyOptions(p)
+        )
+        rows = bench_module.overlap_table(bench, ["triton"], 1024, 4)
+        for r in rows:
+            print(
+                f"| {programs} | {r['direction']} | {r['matmul_alone_ms']:.1f} | "
+                f"{r['matmul_with_transfers_ms']:.1f} | {r['slowdown']:.0%} | "
+                f"{r['transfer_gbps']:.1f} |",
+                flush=True,
+            )
+    bench.close()
 
 
 def overlap(programs_list: Sequence[int]) -> None:
@@ -130,16 +150,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--programs", type=int, nargs="+", default=[16, 32, 132, 264])
+    parser.add_argument("--only", choices=["sweep", "overlap"], default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("Not measured: no CUDA device here.")
         return 0
     print(f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     print()
-    blocked()
-    overlap((8, 16, 32, 132, 264))
+    if args.only is None:
+        blocked()
+        overlap((8, 16, 32, 132, 264))
+    if args.only in (None, "overlap"):
+        print("| programs | direction | matmuls alone ms | with transfers ms | slowdown | GB/s |")
+        print("|---:|---|---:|---:|---:|---:|")
+        overlap_as_bench(args.programs)
     print()
-    sweep(args.reps, args.quick)
+    if args.only in (None, "sweep"):
+        sweep(args.reps, args.quick, args.programs)
     return 0
 
 
