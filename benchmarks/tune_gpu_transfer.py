@@ -34,7 +34,7 @@ def sweep(reps: int, quick: bool, programs_list: Sequence[int]) -> None:
     print("| page KiB | programs | warps | iter KiB | chunk KiB | store/limit | load/limit |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     settings = [
-        (p, w, it, ch) for p in (16, 32, 132, 264) for w in (4, 8) for it in (8, 16) for ch in (64,)
+        (p, w, it, ch) for p in programs_list for w in (4, 8) for it in (8, 16) for ch in (64,)
     ] + [(132, 8, 16, 256), (264, 8, 16, 256), (264, 4, 8, 16)]
     for heads in (1, 4, 8) if quick else (1, 2, 4, 8, 16):
         bench = Bench(torch.device("cuda"), LAYERS, heads, 2048, 256)
