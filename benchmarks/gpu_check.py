@@ -155,12 +155,11 @@ def environment() -> dict[str, str]:
         ]
         done = subprocess.run(query, capture_output=True, text=True, check=False)
         info["driver, PCIe gen, width"] = done.stdout.strip() or done.stderr.strip()
-    info["commit"] = (
-        subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        or "unknown"
-    )
+    # A copied tree's .git can lag its files: GPU_CHECK_COMMIT names the commit that was sent.
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    info["commit"] = os.environ.get("GPU_CHECK_COMMIT") or head or "unknown"
     return info
 
 
@@ -299,16 +298,20 @@ def e2e_targets(data: dict[str, Any] | None) -> list[Target]:
     if data is None:
         return [Target("load vs prefill", "no figures", None)]
     rows = data.get("rows", [])
-    exact = all(r["kv_bit_exact"] and r["logits_bit_exact"] for r in rows)
+
+    def verdict(r: dict[str, Any]) -> str:
+        if not r["kv_bit_exact"]:
+            return "KV differs"
+        if r["logits_bit_exact"]:
+            return "yes"
+        if not r.get("decode_repeats_bit_exact", True):
+            return "KV yes; logits differ as two decodes of one cache do"
+        return "logits differ"
+
+    cells = ", ".join(f"{r['tokens']}: {verdict(r)}" for r in rows)
+    exact = all(verdict(r).startswith(("yes", "KV yes")) for r in rows)
     targets = [
-        Target(
-            "loaded KV and decode logits bit-exact against a fresh prefill",
-            ", ".join(
-                f"{r['tokens']}: {'yes' if r['kv_bit_exact'] and r['logits_bit_exact'] else 'NO'}"
-                for r in rows
-            ),
-            exact,
-        )
+        Target("loaded KV bit-exact, and decode logits wherever the kernels repeat", cells, exact)
     ]
     largest = max(rows, key=lambda r: r["tokens"], default=None)
     if largest is not None:

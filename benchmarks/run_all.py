@@ -156,6 +156,24 @@ _NOT_MEASURED = (
 )
 
 
+#: The last ``make gpu-check`` run on a GPU machine (benchmarks/gpu_check.py writes it).
+GPU_CHECK_REPORT = HERE.parent / "docs" / "gpu-check.md"
+
+
+def gpu_section_without_cuda(report: Path = GPU_CHECK_REPORT) -> str:
+    """What the GPU section says on a machine without CUDA: the last ``make gpu-check`` run,
+    taken in whole (headings one level down), or that nothing was measured yet."""
+    if not report.exists():
+        return _NOT_MEASURED
+    lines = report.read_text().strip().splitlines()
+    body = [("#" + line if line.startswith("##") else line) for line in lines[1:]]
+    lead = (
+        "**The machine that wrote this file has no CUDA device: what follows is the last "
+        "`make gpu-check` run on a GPU, taken in from [docs/gpu-check.md](gpu-check.md).**"
+    )
+    return "\n".join([lead, *body]).strip()
+
+
 def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, float]]:
     """Each benchmark in a process of its own, exactly the command its section names: one
     benchmark's heap, threads and freed memory must not shape the next one's figures."""
@@ -167,7 +185,7 @@ def run(names: Sequence[str], quick: bool) -> list[tuple[str, str, str, str, flo
         command = " ".join(["python", f"benchmarks/{module_name}.py", *args])
         if module_name in NEEDS_CUDA and not torch.cuda.is_available():
             print(f"== {command}: skipped, no CUDA device", file=sys.stderr, flush=True)
-            results.append((title, about, command, _NOT_MEASURED, 0.0))
+            results.append((title, about, command, gpu_section_without_cuda(), 0.0))
             continue
         print(f"== {command}", file=sys.stderr, flush=True)
         started = time.perf_counter()

@@ -4,6 +4,7 @@ and the hand-written notes of each section (why a target is not met, what was tr
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -41,3 +42,16 @@ def test_a_first_report_has_no_notes(tmp_path: Path) -> None:
     report = tmp_path / "benchmarks.md"
     run_all.write_markdown(report, [("A", "about", "cmd", "| t |", 1.0)], True)
     assert "<!-- notes -->" not in report.read_text() and "run_all.py --quick" in report.read_text()
+
+
+def test_the_gpu_section_takes_in_the_last_gpu_check_run(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import run_all
+
+    report = tmp_path / "gpu-check.md"
+    assert run_all.gpu_section_without_cuda(report) == run_all._NOT_MEASURED
+    report.write_text("# Title\n\nMeasured on an H100.\n\n## The run\n\n| a |\n")
+    section = run_all.gpu_section_without_cuda(report)
+    assert section.startswith("**The machine that wrote this file has no CUDA device")
+    assert section.endswith("Measured on an H100.\n\n### The run\n\n| a |")
+    assert "# Title" not in section
