@@ -169,7 +169,9 @@ def test_mla_keeps_one_latent_per_token(tmp_path: Path) -> None:
     [
         ("{not json", r"config\.json: not a JSON config\.json"),
         ("[1, 2]", r"config\.json: a config\.json holds a JSON object, got list"),
-        ({"num_attention_heads": 8}, r"config\.json: num_hidden_layers: missing"),
+        ({"num_attention_heads": 8}, r"config\.json: model_type: missing"),
+        ({**LLAMA_3_8B, "num_hidden_layers": None}, r"config\.json: num_hidden_layers: missing"),
+        ({**LLAMA_3_8B, "model_type": "llama4"}, r"model_type: 'llama4' is not a family"),
         ({**LLAMA_3_8B, "num_key_value_heads": "8"}, r"num_key_value_heads: '8' is not an integer"),
         ({**LLAMA_3_8B, "torch_dtype": "float8_e4m3fn"}, r"torch_dtype: 'float8_e4m3fn' is not"),
         (
@@ -178,7 +180,7 @@ def test_mla_keeps_one_latent_per_token(tmp_path: Path) -> None:
         ),
         ({**JAMBA_MINI, "mamba_d_state": None}, r"mamba state: the config has Mamba layers"),
         (
-            {**LLAMA_3_8B, "layer_types": ["mamba"] * 32, "mamba_d_state": 16},
+            {**GPT_OSS_20B, "layer_types": ["mamba"] * 24, "mamba_d_state": 16},
             r"layers: no attention layer",
         ),
     ],

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +45,12 @@ from typing import Any
 
 from tiering.errors import ConfigError
 from tiering.groups import GroupKind
+from tiering.hf_families import (
+    MAX_WINDOW,
+    ConfigFields,
+    Family,
+    resolve_fields,
+)
 from tiering.model_shapes import GroupShape, ModelShape
 
 __all__ = [
@@ -69,46 +74,10 @@ _LAYER_KINDS: dict[str, GroupKind | None] = {
     "mlp": None,
     "moe": None,
 }
-_PATTERN_KINDS: dict[str, GroupKind | None] = {
-    "M": GroupKind.MAMBA,
-    "*": GroupKind.FULL_ATTENTION,
-    "-": None,
-    "E": None,
-}
-
-
-class _Fields:
-    """The config's fields, with errors that name the file and the field."""
-
-    def __init__(self, data: Mapping[str, Any], source: str) -> None:
-        self.data = data
-        self.source = source
-
-    def error(self, field: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {field}: {problem}")
-
-    def has(self, field: str) -> bool:
-        return self.data.get(field) is not None
-
-    def get(self, field: str, default: Any = None) -> Any:
-        value = self.data.get(field)
-        return default if value is None else value
-
-    def integer(self, field: str, default: int | None = None, *, minimum: int = 1) -> int:
-        value = self.data.get(field, default)
-        if value is None:
-            raise self.error(field, "missing; it is needed to size the KV cache")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(field, f"{value!r} is not an integer >= {minimum}")
-        return value
-
-    def first_int(self, *fields: str, default: int | None = None) -> int:
-        for field in fields:
-            if self.has(field):
-                return self.integer(field)
-        if default is None:
-            raise self.error(" or ".join(fields), "missing; it is needed to size the state")
-        return default
+#: Bytes of one block on one rank: more is a config asking for the impossible (a 405B model's
+#: 16-token block is ~8 MiB; a Mamba state padded into one, a few MiB).
+MAX_BLOCK_BYTES = 1 << 34
+MAX_BLOCK_TOKENS = 1 << 20
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -125,6 +94,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{source}: over {MAX_HF_CONFIG_BYTES >> 20} MiB: not a config.json")
     try:
         data = json.loads(raw)
+    except RecursionError:  # the C decoder stops at the interpreter's recursion limit
+        raise ConfigError(f"{source}: not a config.json: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{source}: not a JSON config.json: {exc}") from None
     if not isinstance(data, dict):
@@ -146,44 +117,70 @@ def model_shape_from_hf_config(
 
     Raises :class:`ConfigError` naming the file and the field for a bad or unsupported config.
     """
-    top = data = read_hf_config(path)
-    source = str(path)
-    text = data.get("text_config")
-    if isinstance(text, dict):
-        data = {**{k: v for k, v in data.items() if k != "text_config"}, **text}
-        source += " (text_config)"
-    fields = _Fields(data, source)
-    kinds = _layer_kinds(fields)
+    top = read_hf_config(path)
+    family, fields = resolve_fields(top, str(path))
+    kinds = _layer_kinds(family, fields)
     if not any(k in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW) for k in kinds):
         raise fields.error("layers", "no attention layer: attention-free models are not supported")
     dtype = _dtype(fields)
     element_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
-    if fields.has("kv_lora_rank"):  # MLA: one latent per token, not split over ranks
-        num_kv_heads, kv_parts = 1, 1
-        head_dim = fields.integer("kv_lora_rank") + fields.integer("qk_rope_head_dim")
-    else:
-        kv_parts = 2
-        num_heads = fields.integer("num_attention_heads")
-        num_kv_heads = max(1, fields.integer("num_key_value_heads", num_heads) // world_size)
-        head_dim = fields.integer(
-            "head_dim",
-            fields.integer("hidden_size") // num_heads if fields.has("hidden_size") else None,
-        )
+    num_kv_heads, head_dim, kv_parts = _attention(family, fields, world_size)
+    token_bytes = kv_parts * num_kv_heads * head_dim * element_bytes
     if GroupKind.MAMBA in kinds:
         state_bytes = _mamba_state_elements(fields, world_size) * element_bytes
-        token_bytes = kv_parts * num_kv_heads * head_dim * element_bytes
-        block_size = block_size * math.ceil(state_bytes / (block_size * token_bytes))
+        block_size = block_size * -(-state_bytes // (block_size * token_bytes))
+        if block_size > MAX_BLOCK_TOKENS:
+            raise fields.error(
+                "mamba state",
+                f"{state_bytes} bytes per layer need {block_size}-token blocks (at most "
+                f"{MAX_BLOCK_TOKENS}): not a real model",
+            )
     window = None
     if GroupKind.SLIDING_WINDOW in kinds:
-        window = fields.integer("sliding_window")
+        window = fields.integer("sliding_window", maximum=MAX_WINDOW)
     groups = _groups(kinds, window)
-    if name is None:
-        name = str(
-            top.get("_name_or_path") or top.get("model_type") or Path(path).resolve().parent.name
+    block_bytes = max(g.num_layers for g in groups) * block_size * token_bytes
+    if block_bytes > MAX_BLOCK_BYTES:
+        raise fields.error(
+            "num_hidden_layers",
+            f"the layers, heads and head_dim ask for {block_bytes} bytes per block and rank "
+            f"(at most {MAX_BLOCK_BYTES}): not a real model",
         )
+    if name is None:
+        name = _default_name(top, path)
     return ModelShape(
         name, groups, num_kv_heads, head_dim, dtype, block_size=block_size, kv_parts=kv_parts
     )
+
+
+def _default_name(top: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
+    for key in ("_name_or_path", "model_type"):
+        value = top.get(key)
+        if isinstance(value, str) and value:
+            if len(value) > 1024:
+                raise ConfigError(f"{path}: {key}: over 1024 characters: not a model name")
+            return value
+    return Path(path).resolve().parent.name
+
+
+def _attention(family: Family, fields: ConfigFields, world_size: int) -> tuple[int, int, int]:
+    """KV heads on one rank, head size and parts per token (2: K and V; 1: an MLA latent)."""
+    if family.head_dim == "mla":  # one latent per token, not split over ranks
+        rank = fields.integer("kv_lora_rank") + fields.integer("qk_rope_head_dim")
+        return 1, rank, 1
+    num_heads = fields.integer("num_attention_heads")
+    num_kv_heads = fields.integer("num_key_value_heads", num_heads)
+    if num_kv_heads > num_heads:
+        raise fields.error(
+            "num_key_value_heads", f"{num_kv_heads} is more than the {num_heads} attention heads"
+        )
+    if family.head_dim == "field" or (family.head_dim == "hidden" and fields.has("head_dim")):
+        head_dim = fields.integer("head_dim")
+    else:
+        head_dim = fields.integer("hidden_size") // num_heads
+        if head_dim < 1:
+            raise fields.error("hidden_size", f"smaller than num_attention_heads ({num_heads})")
+    return max(1, num_kv_heads // world_size), head_dim, 2
 
 
 def cached_model_shape(path: Path, *, world_size: int = 1, name: str | None = None) -> ModelShape:
@@ -201,67 +198,32 @@ def _cached(path: str, _mtime_ns: int, _size: int, world_size: int, name: str | 
     return model_shape_from_hf_config(path, world_size=world_size, name=name)
 
 
-def _dtype(fields: _Fields) -> str:
+def _dtype(fields: ConfigFields) -> str:
     field = "torch_dtype" if fields.has("torch_dtype") else "dtype"
     value = fields.get(field, "bfloat16")
-    if value not in _DTYPES:
+    if not isinstance(value, str) or value not in _DTYPES:
+        shown = repr(value) if isinstance(value, str) and len(value) <= 60 else "that"
+        if not isinstance(value, str):
+            shown = f"a {type(value).__name__}"
         raise fields.error(
-            field, f"{value!r} is not supported; supported: bfloat16, float16, float32"
+            field, f"{shown} is not supported; supported: bfloat16, float16, float32"
         )
     return _DTYPES[value]
 
 
-def _layer_kinds(fields: _Fields) -> list[GroupKind]:
+def _layer_kinds(family: Family, fields: ConfigFields) -> list[GroupKind]:
     """Every cache-holding layer's kind, in order (a Falcon-H1 layer counts twice)."""
-    for field in ("layer_types", "layers_block_type"):
-        if fields.has(field):
-            names = fields.get(field)
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise fields.error(field, "must be a list of layer type names")
-            unknown = sorted({n for n in names if n not in _LAYER_KINDS})
-            if unknown:
-                raise fields.error(
-                    field,
-                    f"layer type(s) {unknown} not supported; supported: {sorted(_LAYER_KINDS)}",
-                )
-            return [k for n in names if (k := _LAYER_KINDS[n]) is not None]
-    if fields.has("hybrid_override_pattern"):
-        pattern = fields.get("hybrid_override_pattern")
-        unknown = sorted({c for c in str(pattern) if c not in _PATTERN_KINDS})
-        if unknown:
-            raise fields.error("hybrid_override_pattern", f"unknown layer code(s) {unknown}")
-        return [k for c in str(pattern) if (k := _PATTERN_KINDS[c]) is not None]
-    num_layers = fields.integer("num_hidden_layers")
-    full, mamba = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
-    if fields.has("attn_layer_indices"):
-        indices = fields.get("attn_layer_indices")
-        if not isinstance(indices, list) or not all(
-            isinstance(i, int) and 0 <= i < num_layers for i in indices
-        ):
-            raise fields.error("attn_layer_indices", f"must list layers in [0, {num_layers})")
-        return [full if i in indices else mamba for i in range(num_layers)]
-    if fields.has("attn_layer_period"):
-        period = fields.integer("attn_layer_period")
-        offset = fields.integer("attn_layer_offset", 0, minimum=0)
-        return [full if i % period == offset else mamba for i in range(num_layers)]
-    if fields.get("model_type") == "falcon_h1":
-        return [full] * num_layers + [mamba] * num_layers
-    if fields.has("full_attention_interval"):
-        interval = fields.integer("full_attention_interval")
-        return [full if (i + 1) % interval == 0 else mamba for i in range(num_layers)]
-    sliding = GroupKind.SLIDING_WINDOW
-    pattern = fields.get("sliding_window_pattern")
-    if pattern is None and fields.get("model_type") == "gemma2":
-        pattern = 2
-    if pattern is not None and fields.has("sliding_window"):
-        pattern = fields.integer("sliding_window_pattern", pattern)
-        return [full if (i + 1) % pattern == 0 else sliding for i in range(num_layers)]
-    if fields.has("sliding_window") and fields.get("use_sliding_window", True) is not False:
-        return [sliding] * num_layers
-    return [full] * num_layers
+    names = family.layers(fields)
+    unknown = sorted(set(names) - set(_LAYER_KINDS))
+    if unknown:
+        raise fields.error(
+            "layer_types",
+            f"layer type(s) {unknown[:8]} not supported; supported: {sorted(_LAYER_KINDS)}",
+        )
+    return [k for n in names if (k := _LAYER_KINDS[n]) is not None]
 
 
-def _mamba_state_elements(fields: _Fields, world_size: int) -> int:
+def _mamba_state_elements(fields: ConfigFields, world_size: int) -> int:
     """Elements of one Mamba layer's conv and SSM states on one rank (vLLM's shapes)."""
     if fields.has("linear_num_value_heads"):  # gated delta net
         key_heads = fields.integer("linear_num_key_heads")
@@ -276,7 +238,12 @@ def _mamba_state_elements(fields: _Fields, world_size: int) -> int:
         )
     if fields.has("mamba_n_heads") or fields.has("mamba_num_heads"):  # Mamba-2
         heads = fields.first_int("mamba_n_heads", "mamba_num_heads")
-        head_dim = fields.first_int("mamba_d_head", "mamba_head_dim")
+        if fields.get("mamba_d_head") == "auto":  # the config class's rule for "auto"
+            head_dim = fields.integer("mamba_expand") * fields.integer("hidden_size") // heads
+            if head_dim < 1:
+                raise fields.error("mamba_d_head", "auto gives 0: mamba_n_heads is too large")
+        else:
+            head_dim = fields.first_int("mamba_d_head", "mamba_head_dim")
         state = fields.first_int("mamba_d_state", "ssm_state_size")
         groups = fields.first_int("mamba_n_groups", "n_groups", default=1)
         kernel = fields.first_int("mamba_d_conv", "conv_kernel")
@@ -305,7 +272,7 @@ def _mamba_state_elements(fields: _Fields, world_size: int) -> int:
     )
 
 
-def _split(fields: _Fields, field: str, value: int, world_size: int) -> int:
+def _split(fields: ConfigFields, field: str, value: int, world_size: int) -> int:
     if value % world_size:
         raise fields.error(field, f"{value} does not split evenly over {world_size} ranks")
     return value // world_size
