@@ -354,7 +354,12 @@ FAMILIES: dict[str, Family] = {
         ),
         _family(
             "cohere2",
-            {"num_hidden_layers": 40, "num_attention_heads": 64, "hidden_size": 8192},
+            {
+                "num_hidden_layers": 40,
+                "num_attention_heads": 64,
+                "hidden_size": 8192,
+                "sliding_window": 4096,
+            },
             _every_nth_full("sliding_window_pattern", 4, "sliding_attention"),
             head_dim="hidden_only",
         ),

@@ -239,7 +239,11 @@ def _mamba_state_elements(fields: ConfigFields, world_size: int) -> int:
     if fields.has("mamba_n_heads") or fields.has("mamba_num_heads"):  # Mamba-2
         heads = fields.first_int("mamba_n_heads", "mamba_num_heads")
         if fields.get("mamba_d_head") == "auto":  # the config class's rule for "auto"
-            head_dim = fields.integer("mamba_expand") * fields.integer("hidden_size") // heads
+            if fields.has("mamba_d_ssm"):
+                inner = fields.integer("mamba_d_ssm")
+            else:
+                inner = fields.integer("mamba_expand") * fields.integer("hidden_size")
+            head_dim = inner // heads
             if head_dim < 1:
                 raise fields.error("mamba_d_head", "auto gives 0: mamba_n_heads is too large")
         else:
