@@ -57,6 +57,7 @@ from tiering.groups import KVCacheSpec
 from tiering.hf_model import cached_model_shape
 from tiering.identity import layout_identity
 from tiering.manager import CPUOffloadingManager
+from tiering.model_identity import ModelIdentity, model_identity, weights_id_problem
 from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
 from tiering.policies import get_policy_class
 from tiering.policies.registry import check_policy_name
@@ -148,6 +149,13 @@ class ModelConfig:
     world_size: int = field(
         default=1, metadata={"min": 1, "doc": "ranks (tensor-parallel workers) per block"}
     )
+    weights_id: str | None = field(
+        default=None,
+        metadata={
+            "doc": "names the checkpoint's weights in the layout fingerprint (e.g. a commit "
+            "hash); default: derived from the weight files beside config_json"
+        },
+    )
 
     def __post_init__(self) -> None:
         shapes = ", ".join(sorted(MODEL_SHAPES))
@@ -160,6 +168,8 @@ class ModelConfig:
             raise SettingsProblem("config_json", "give either shape or config_json, not both")
         if self.name is not None and self.config_json is None:
             raise SettingsProblem("name", "only a config_json model takes a name")
+        if self.weights_id is not None and (problem := weights_id_problem(self.weights_id)):
+            raise SettingsProblem("weights_id", problem)
         if self.config_json is not None:
             try:
                 self.model_shape()
@@ -171,6 +181,12 @@ class ModelConfig:
             assert self.shape is not None
             return get_model_shape(self.shape)
         return cached_model_shape(self.config_json, world_size=self.world_size, name=self.name)
+
+    def model_identity(self) -> ModelIdentity:
+        """The model's name and what names its weights (:mod:`tiering.model_identity`)."""
+        return model_identity(
+            self.model_shape().name, config_json=self.config_json, weights_id=self.weights_id
+        )
 
 
 @dataclass(frozen=True)
@@ -395,6 +411,7 @@ class TieringConfig:
             world_size=self.require_model().world_size,
             hash_algorithm=self.hashing.algorithm,
             model=shape.name,
+            weights=self.require_model().model_identity().fingerprint_part(),
         )
 
     def fingerprint(self) -> bytes:

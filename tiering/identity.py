@@ -3,10 +3,14 @@
 Two processes may share a tier only if their blocks mean the same thing: the same KV-cache
 groups and page sizes, dtype, world size, offloaded-block geometry and hashing scheme. The
 fingerprint of that description is written in every block header; a block written under another
-fingerprint is never served (peers have served KV of another dtype or model this way).
+fingerprint is never served (peers have served KV of another dtype or model this way). The
+model's part names its checkpoint too (:mod:`tiering.model_identity`): a fine-tune or another
+revision of one architecture has the same geometry but other KV.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from tiering.backends.block_format import make_layout_fingerprint
 from tiering.groups import KVCacheSpec
@@ -22,9 +26,12 @@ def layout_identity(
     world_size: int = 1,
     hash_algorithm: str = "sha256",
     model: str = "",
+    weights: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
-    """A JSON-serializable description of the layout of one offloaded block (one pool row)."""
-    return {
+    """A JSON-serializable description of the layout of one offloaded block (one pool row).
+    ``weights`` names the checkpoint (:meth:`tiering.model_identity.ModelIdentity.fingerprint_part`;
+    None: nothing does)."""
+    description: dict[str, object] = {
         "model": model,
         "dtype": dtype,
         "world_size": world_size,
@@ -42,6 +49,9 @@ def layout_identity(
             for g in spec.groups
         ],
     }
+    if weights is not None:  # absent, not null: a preset's fingerprint is what it always was
+        description["weights"] = dict(weights)
+    return description
 
 
 def layout_fingerprint(
@@ -52,6 +62,7 @@ def layout_fingerprint(
     world_size: int = 1,
     hash_algorithm: str = "sha256",
     model: str = "",
+    weights: Mapping[str, object] | None = None,
 ) -> bytes:
     """The 16-byte fingerprint of :func:`layout_identity` (same arguments)."""
     return make_layout_fingerprint(
@@ -62,5 +73,6 @@ def layout_fingerprint(
             world_size=world_size,
             hash_algorithm=hash_algorithm,
             model=model,
+            weights=weights,
         )
     )
