@@ -226,14 +226,18 @@ def test_config_check_json_gives_each_check_and_tier(
     assert [(c["name"], c["status"], c["tier"]) for c in checks] == [
         ("config", "WARN", None),  # each tier is smaller than the primary
         ("config", "WARN", None),
+        ("model identity", "WARN", None),  # a built-in shape: the architecture alone
         ("tier nvme directory", "OK", "nvme"),
         ("tier db directory", "OK", "db"),
     ]
     assert "'nvme'" in checks[0]["message"] and "smaller than the primary" in checks[0]["message"]
     assert "'db'" in checks[1]["message"]
-    assert document["counts"] == {"OK": 2, "WARN": 2, "FAIL": 0}
+    assert "architecture alone" in checks[2]["message"]
+    assert document["counts"] == {"OK": 2, "WARN": 3, "FAIL": 0}
     assert document["model"] == {
-        "shape": "tiny", "world_size": 1, "block_size_factor": 1, "block_bytes": 4096
+        "shape": "tiny", "config_json": None, "name": "tiny", "world_size": 1,
+        "identity": {"source": "architecture", "weights": None},
+        "block_size_factor": 1, "block_bytes": 4096,
     }  # fmt: skip
     tiers = {tier["name"]: tier for tier in document["tiers"]}
     assert tiers["primary"] == {

@@ -218,6 +218,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         raise
     checks = [Check("config", WARN, warning) for warning in config_warnings]
     checks = checks or [Check("config", OK, "valid")]
+    checks += _model_identity_checks(config)
     # What each tier will meet in its directory: refused now, not when the engine starts.
     findings = check_tier_directories(config, layout)
     checks += _directory_checks(config, findings)
@@ -225,8 +226,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     if args.json:
         model = None
         if config.model is not None and layout is not None:
+            identity = config.model.model_identity()
             model = {
                 "shape": config.model.shape,
+                "config_json": None
+                if config.model.config_json is None
+                else str(config.model.config_json),
+                "name": identity.name,
+                "identity": {"source": identity.source, "weights": identity.weights},
                 "world_size": config.model.world_size,
                 "block_size_factor": config.block_size_factor,
                 "block_bytes": layout.block_bytes,
@@ -243,11 +250,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     if config.model is None or layout is None:
         print("model: none (the blocks each tier holds depend on model.shape)")
     else:
+        identity = config.model.model_identity()
         print(
-            f"model: {config.model.shape}, world size {config.model.world_size}, "
+            f"model: {identity.name}, world size {config.model.world_size}, "
             f"block_size_factor {config.block_size_factor}: one block is "
             f"{format_bytes(layout.block_bytes)} ({layout.block_bytes} bytes)"
         )
+        warning = " (WARN)" if identity.architecture_only else ""
+        print(f"model identity{warning}: {identity.describe()}")
     texts = [row.text() for row in rows]
     widths = [max(len(text[i]) for text in texts) for i in range(4)]
     for name, kind, capacity, blocks, rest in texts:
@@ -711,9 +721,22 @@ def run_doctor(config: TieringConfig | None) -> list[Check]:
         works, why = probe_o_direct(directory)
         checks.append(Check("O_DIRECT (temp dir)", OK if works else WARN, f"{directory}: {why}"))
     else:
+        checks += _model_identity_checks(config)
         checks += _tier_checks(config)
         checks += _directory_checks(config, check_tier_directories(config))
     return checks
+
+
+def _model_identity_checks(config: TieringConfig) -> list[Check]:
+    """What names the model's weights in the layout fingerprint: WARN when nothing does."""
+    if config.model is None:
+        return []
+    try:
+        identity = config.model.model_identity()
+    except TieringError as exc:  # an unreadable weight file beside config.json
+        return [Check("model identity", FAIL, str(exc))]
+    verdict = WARN if identity.architecture_only else OK
+    return [Check("model identity", verdict, identity.describe())]
 
 
 def checks_document(
