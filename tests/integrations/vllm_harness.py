@@ -149,11 +149,15 @@ def vllm_config(
     enable_events: bool = True,
     max_model_len: int = 256,
     transfer: KVTransferConfig | None = None,
+    model_dir: Path = MODEL_DIR,
+    revision: str | None = None,
 ) -> VllmConfig:
-    """A CPU ``VllmConfig`` for the tiny model with the OffloadingConnector (``transfer`` as
-    given, e.g. parsed from a documented ``--kv-transfer-config``, else one built here)."""
+    """A CPU ``VllmConfig`` for the tiny model (in ``model_dir``) with the OffloadingConnector
+    (``transfer`` as given, e.g. parsed from a documented ``--kv-transfer-config``, else one
+    built here)."""
     model = ModelConfig(
-        model=str(MODEL_DIR),
+        model=str(model_dir),
+        revision=revision,
         skip_tokenizer_init=True,
         dtype="float16",
         max_model_len=max_model_len,

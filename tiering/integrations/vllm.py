@@ -53,7 +53,8 @@ hits the request loads      :meth:`TieringOffloadingManager.protect_for_step`: a
 ==========================  =================================================================
 
 The layout fingerprint of every stored block (:mod:`tiering.integrations.vllm_layout`) covers
-the model, dtype, KV-cache groups, tokens per hash, blocks per chunk, worker bytes per block and
+the model and its checkpoint (revision, quantization, model dtype, weight files), dtype, KV-cache
+groups, tokens per hash, blocks per chunk, worker bytes per block and
 the parallel layout with this rank: a restart with any of them changed serves nothing stale.
 """
 
@@ -96,6 +97,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering import CPUOffloadingManager, TieringOffloadingManager
 from tiering.config import TieringConfig, build_tier, load_config
 from tiering.errors import ConfigError
+from tiering.integrations.vllm_identity import model_identity_of
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
 from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
 from tiering.keys import OffloadKey as Key
@@ -201,6 +203,8 @@ class TieringSpec(TieringOffloadingSpec):
                 "('package.module:Class', see tiering's plugins.md)"
             )
         super().__init__(config)
+        # Here, while vLLM's connector (holding the engine's ModelConfig) builds the spec.
+        model_identity_of(self)
         self._manager: OffloadingManager | None = None
         self.tiering_config_path = Path(path)
 
@@ -267,6 +271,7 @@ class TieringManager(OffloadingManager):
                 f"tier is {stride} bytes; the offloading spec and its region disagree"
             )
         self.fingerprint = layout_fingerprint(spec)
+        self.model_identity = model_identity_of(spec)  # what the fingerprint says of the model
         self.policy = str(extra.get("eviction_policy") or config.primary.policy)
         self.store_threshold = _store_threshold(extra, config)
         tiers = [

@@ -7,8 +7,10 @@ padding. Two engines may share stored chunks only if their rows mean the same th
 fingerprint written into (and checked on) every stored block covers everything that changes a
 row's bytes: the model and KV dtype, the KV-cache groups (block sizes, layers, windows), tokens per
 hash, blocks per chunk, the bytes a worker keeps per block, the parallel layout (TP, PP, PCP and
-DCP sizes, world size and this rank) and the host layout (replicated, canonical, the resolved
-KV-cache layout). Data-parallel replicas share one layout and are not part of it.
+DCP sizes, world size and this rank), the host layout (replicated, canonical, the resolved
+KV-cache layout) and the checkpoint (revision, quantization, model dtype and the weight files:
+:mod:`tiering.integrations.vllm_identity`). Data-parallel replicas share one layout and are not
+part of it.
 
 Every input comes from the ``OffloadingConfig`` vLLM builds for its offloading spec
 (``vllm.distributed.kv_transfer.kv_connector.v1.offloading.config.build_offloading_config``), so
@@ -20,11 +22,12 @@ from __future__ import annotations
 from vllm.v1.kv_offload.base import OffloadingSpec
 
 from tiering.backends.block_format import make_layout_fingerprint
+from tiering.integrations.vllm_identity import model_identity_of
 
 __all__ = ["LAYOUT_VERSION", "chunk_data_bytes", "layout_fingerprint", "layout_identity"]
 
-#: Bumped when the meaning of a fingerprint's inputs changes.
-LAYOUT_VERSION = 1
+#: Bumped when the meaning of a fingerprint's inputs changes (2: the checkpoint's identity).
+LAYOUT_VERSION = 2
 
 
 def chunk_data_bytes(spec: OffloadingSpec) -> int:
@@ -42,6 +45,7 @@ def layout_identity(spec: OffloadingSpec) -> dict[str, object]:
         "engine": "vllm",
         "layout_version": LAYOUT_VERSION,
         "model": config.model.name,
+        "model_identity": model_identity_of(spec),
         "dtype": config.model.dtype,
         "groups": [
             {
