@@ -1,22 +1,22 @@
 """A model's KV-cache geometry from its Hugging Face ``config.json``, read as plain JSON.
 
 :func:`model_shape_from_hf_config` turns the file into a :class:`~tiering.model_shapes.ModelShape`
-of one rank, grouped and padded as vLLM 0.33 lays the model's cache out:
+of one rank, grouped and padded as vLLM 0.33 lays the model's cache out. The file is read
+through its family (``model_type``, :mod:`tiering.hf_families`): a field it leaves out takes
+the default of the family's ``transformers`` config class, and the layer kinds follow that
+class's rule; a ``model_type`` with no family here is refused, never guessed.
 
 - **attention**: ``num_hidden_layers``, ``num_key_value_heads`` (default
-  ``num_attention_heads``), ``head_dim`` (default ``hidden_size / num_attention_heads``), the
-  dtype (``torch_dtype`` or ``dtype``; bfloat16 when absent). KV heads are split over
-  ``world_size`` ranks (at least one per rank, as vLLM replicates them).
+  ``num_attention_heads``), ``head_dim`` (the family's default, or ``hidden_size /
+  num_attention_heads`` where the class derives it so), the dtype (``torch_dtype`` or ``dtype``;
+  bfloat16 when absent). KV heads are split over ``world_size`` ranks (at least one per rank,
+  as vLLM replicates them).
 - **MLA** (DeepSeek V2/V3, Kimi K2): ``kv_lora_rank`` + ``qk_rope_head_dim`` bytes-per-element
   per token in one latent (``kv_parts=1``), the same on every rank.
-- **which layer is what**, first match: ``layer_types`` (``full_attention``/``attention``,
-  ``sliding_attention``, ``mamba``/``linear_attention``: Gemma 3, gpt-oss, Qwen3, Granite 4.0-H,
-  Qwen3-Next), ``layers_block_type``, ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba,
-  ``*`` attention, others no cache), ``attn_layer_indices`` (Bamba), ``attn_layer_period`` and
-  ``attn_layer_offset`` (Jamba), Falcon-H1 (attention and Mamba in every layer),
-  ``full_attention_interval``, ``sliding_window_pattern`` (layer ``i`` is full when
-  ``(i + 1) % pattern == 0``; Gemma 2 alternates), else every layer full attention, or sliding
-  when ``sliding_window`` is set (and ``use_sliding_window`` is not false).
+- **which layer is what**: the family's rule (``layer_types`` where its class reads them,
+  ``sliding_window_pattern``, ``max_window_layers``, ``full_attention_interval``,
+  ``attn_layer_period``/``attn_layer_offset``, ``attn_layer_indices``,
+  ``hybrid_override_pattern``; see :data:`tiering.hf_families.FAMILIES`).
 - **Mamba state** per layer and rank, in the model dtype (vLLM's ``auto`` state dtypes): Mamba-1
   (``mamba_d_state``, ``mamba_d_conv``, ``mamba_expand``: Jamba), Mamba-2 (``mamba_n_heads``,
   ``mamba_d_head``, ``mamba_n_groups``, ``mamba_d_state``, ``mamba_d_conv`` and Nemotron-H's
@@ -28,10 +28,12 @@ of one rank, grouped and padded as vLLM 0.33 lays the model's cache out:
 - **groups**: layers of one kind form groups of equal size (vLLM's rule: the smallest kind's
   count, or the largest's when within 1.5x), ``layers[i::n]`` in group ``i``.
 
-A multimodal model's ``text_config`` is read when present. Not supported (a
-:class:`~tiering.errors.ConfigError` says so): attention-free models, chunked local attention
-(Llama 4), per-layer head counts, Zamba2's shared blocks, dtypes other than bfloat16, float16
-and float32.
+A multimodal model's ``text_config`` is read when present. Any file gives a shape or a
+:class:`~tiering.errors.ConfigError` naming the file and the field: numbers are bounded (layers,
+dimensions, a block's bytes and tokens), lists are measured before they are walked, and JSON
+nested past the interpreter's recursion limit is refused. Not supported: attention-free models,
+chunked local attention (Llama 4), per-layer head counts, Zamba2's shared blocks, dtypes other
+than bfloat16, float16 and float32.
 """
 
 from __future__ import annotations
