@@ -234,3 +234,11 @@ def test_any_json_value_in_any_field_gives_a_config_error_or_a_valid_geometry(
     assert 1 <= shape.block_size <= MAX_BLOCK_TOKENS
     assert shape.layers_per_position * shape.page_bytes <= MAX_BLOCK_BYTES
     assert isinstance(shape.name, str)
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, {**LLAMA, "num_key_value_heads": 6, "num_attention_heads": 12})
+    assert model_shape_from_hf_config(path, world_size=2).num_kv_heads == 3
+    assert model_shape_from_hf_config(path, world_size=12).num_kv_heads == 1  # replicated
+    with pytest.raises(ConfigError, match=r"num_key_value_heads: 6 KV heads cannot be split over 4 ranks"):
+        model_shape_from_hf_config(path, world_size=4)

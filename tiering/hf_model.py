@@ -176,6 +176,12 @@ def _attention(family: Family, fields: ConfigFields, world_size: int) -> tuple[i
         raise fields.error(
             "num_key_value_heads", f"{num_kv_heads} is more than the {num_heads} attention heads"
         )
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        raise fields.error(
+            "num_key_value_heads",
+            f"{num_kv_heads} KV heads cannot be split over {world_size} ranks (vLLM needs the "
+            "heads to divide evenly over the ranks, or the ranks over the heads)",
+        )
     if family.head_dim == "field" or (family.head_dim == "hidden" and fields.has("head_dim")):
         head_dim = fields.integer("head_dim")
     else:

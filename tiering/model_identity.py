@@ -94,11 +94,13 @@ class ModelIdentity:
             return f"{self.name}, weights {self.weights!r} (model.weights_id)"
         if self.source == "checkpoint":
             return f"{self.name}, weights {self.weights} ({self.detail})"
+        remedy = "set model.weights_id"
+        if self.config_digest is not None:
+            remedy += " or keep the weights beside config.json"
         return (
             f"{self.name}, weights unknown: {self.detail}; the identity rests on the "
             "architecture alone, so checkpoints of this architecture (a base model and its "
-            "fine-tunes, revisions) share blocks: set model.weights_id or keep the weights "
-            "beside config.json"
+            f"fine-tunes, revisions) share blocks: {remedy}"
         )
 
 
