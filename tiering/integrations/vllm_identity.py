@@ -88,8 +88,8 @@ def model_identity_of(spec: OffloadingSpec) -> dict[str, object]:
         "engine_model_config": model_config is not None,
         "checkpoint": weights,
     }
-    if weights is None or not weights.get("weights"):
-        log.warning(
+    if weights is None or not weights.get("weights"):  # info: a spec is built per tier
+        log.info(
             "tiering: the layout fingerprint names model %r (revision %s) but not its weights "
             "(no weight files found): checkpoints stored under this name share blocks",
             name,
