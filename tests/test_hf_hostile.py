@@ -240,5 +240,6 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path: Path) -
     path = _write(tmp_path, {**LLAMA, "num_key_value_heads": 6, "num_attention_heads": 12})
     assert model_shape_from_hf_config(path, world_size=2).num_kv_heads == 3
     assert model_shape_from_hf_config(path, world_size=12).num_kv_heads == 1  # replicated
-    with pytest.raises(ConfigError, match=r"num_key_value_heads: 6 KV heads cannot be split over 4 ranks"):
+    message = r"num_key_value_heads: 6 KV heads cannot be split over 4 ranks"
+    with pytest.raises(ConfigError, match=message):
         model_shape_from_hf_config(path, world_size=4)

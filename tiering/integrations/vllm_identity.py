@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
@@ -45,7 +46,7 @@ def engine_model_config(model_name: str) -> Any | None:
     current-config context, else from the ``vllm_config`` argument of a caller (the connector
     that builds the spec and its manager); None if neither holds one for this model."""
     candidates: list[Any] = [get_current_vllm_config_or_none()]
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
