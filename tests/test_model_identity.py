@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tiering import cli
 from tiering import model_identity as model_identity_module
 from tiering.config import build_manager, build_pool, load_config
 from tiering.errors import ConfigError, TieringError
@@ -242,7 +243,9 @@ def test_a_broken_weight_file_is_a_config_error_naming_it(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("with_weights", [True, False])
-def test_config_check_and_doctor_print_the_identity(tmp_path: Path, with_weights: bool) -> None:
+def test_config_check_and_doctor_print_the_identity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], with_weights: bool
+) -> None:
     if with_weights:
         config_json = write_checkpoint(tmp_path / "m", HEADER_A, b"\x01" * 8)
     else:
@@ -250,29 +253,18 @@ def test_config_check_and_doctor_print_the_identity(tmp_path: Path, with_weights
         config_json = tmp_path / "m" / "config.json"
         config_json.write_text(json.dumps(CONFIG))
     yaml = write_yaml(tmp_path, config_json, "t")
-    check = subprocess.run(
-        [sys.executable, "-m", "tiering.cli", "config", "check", str(yaml)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert check.returncode == 0, check.stderr
-    assert "model: tiny-llama," in check.stdout  # the name, never None
-    doctor = subprocess.run(
-        [sys.executable, "-m", "tiering.cli", "doctor", "--json", "--config", str(yaml)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    (identity,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "model identity"]
+    assert cli.main(["config", "check", str(yaml)]) == 0
+    check = capsys.readouterr().out
+    assert "model: tiny-llama," in check  # the name, never None
+    cli.main(["doctor", "--json", "--config", str(yaml)])
+    doctor = json.loads(capsys.readouterr().out)
+    (identity,) = [c for c in doctor["checks"] if c["name"] == "model identity"]
     if with_weights:
         digest = model_identity("x", config_json=config_json).weights
         assert digest is not None and digest.startswith("sha256:")
-        assert f"model identity: tiny-llama, weights {digest} (1 weight file(s)" in check.stdout
+        assert f"model identity: tiny-llama, weights {digest} (1 weight file(s)" in check
         assert identity["status"] == "OK" and digest in identity["message"]
     else:
-        assert "model identity (WARN): tiny-llama, weights unknown: no weight files" in (
-            check.stdout
-        )
-        assert "architecture alone" in check.stdout
+        assert "model identity (WARN): tiny-llama, weights unknown: no weight files" in check
+        assert "architecture alone" in check and "keep the weights beside config.json" in check
         assert identity["status"] == "WARN" and "architecture alone" in identity["message"]
