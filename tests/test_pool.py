@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiering.errors import BackendError, ConfigurationError, LayoutError
+from tiering.errors import BackendError, ConfigurationError, LayoutError, UnsafeFileError
 from tiering.pool import CPUBlockPool
 from tiering.testing.copy_strategy_tests import (
     NUM_SLOTS,
@@ -168,7 +169,9 @@ def test_joiner_times_out_with_a_clear_error(shm_name: str) -> None:
     # A file of the right size that nobody initialised never becomes ready either.
     path = Path("/dev/shm") / shm_name
     if path.parent.is_dir():
-        path.write_bytes(bytes(4096 + 3 * 128))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private, as a pool's
+        os.write(fd, bytes(4096 + 3 * 128))
+        os.close(fd)
         with pytest.raises(BackendError, match=r"timed out"):
             CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=0.1)
 
@@ -184,6 +187,39 @@ def test_joiner_rejects_a_pool_of_another_geometry(shm_name: str) -> None:
         second = CPUBlockPool.open_or_create_shared(shm_name, 3, 128, world_size=2)
         assert not second.is_creator
         second.close()
+
+
+def test_joiner_refuses_a_pool_file_open_to_group_or_others(shm_name: str) -> None:
+    with CPUBlockPool.create_shared(shm_name, 3, 128) as creator:
+        assert creator.path is not None
+        path = creator.path
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        for mode in (0o666, 0o640, 0o604, 0o620):
+            os.chmod(path, mode)
+            with pytest.raises(UnsafeFileError) as caught:
+                CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5)
+            message = str(caught.value)
+            assert repr(str(path)) in message and f"with mode {mode:04o}" in message
+            assert f"owned by uid {os.geteuid()}" in message and "mode 0600" in message
+        os.chmod(path, 0o600)
+        with CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5) as joiner:
+            creator.rows_view()[2].fill_(9)
+            assert (joiner.block_view(2) == 9).all()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_joiner_refuses_a_pool_file_owned_by_another_user(shm_name: str) -> None:
+    other_uid = 54321 if os.geteuid() != 54321 else 54322
+    with CPUBlockPool.create_shared(shm_name, 3, 128) as creator:
+        assert creator.path is not None
+        path = creator.path
+        os.chown(path, other_uid, -1)  # mode stays 0600: only the owner differs
+        with pytest.raises(UnsafeFileError, match=rf"owned by uid {other_uid} with mode 0600"):
+            CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5)
+        with pytest.raises(UnsafeFileError, match=rf"expected a file owned by .*uid {os.geteuid()}"):
+            CPUBlockPool.open_or_create_shared(shm_name, 3, 128, timeout_s=5)
+        os.chown(path, os.geteuid(), -1)
+        CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5).close()
 
 
 CHILD_CRASH = """

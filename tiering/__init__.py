@@ -21,6 +21,7 @@ from tiering.errors import (
     LayoutError,
     ProtocolError,
     TieringError,
+    UnsafeFileError,
 )
 from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.hashing import ExtraKeys, MultiModalItem, PrefixHasher, hash_prefix_blocks
@@ -82,6 +83,7 @@ __all__ = [
     "TierJob",
     "TieringError",
     "TieringOffloadingManager",
+    "UnsafeFileError",
     "WritePolicy",
     "__version__",
     "find_hybrid_hit",

@@ -17,6 +17,7 @@ __all__ = [
     "LayoutError",
     "ProtocolError",
     "TieringError",
+    "UnsafeFileError",
 ]
 
 
@@ -64,3 +65,11 @@ class BackendError(TieringError, OSError):
 
 class CorruptBlockError(BackendError):
     """A stored block failed verification (header, key, layout fingerprint or checksum)."""
+
+
+class UnsafeFileError(BackendError):
+    """A file that ``tiering`` would share data through (a ``/dev/shm`` pool) is owned by another
+    user or open to group or others: joining it would let that user read or change every block.
+
+    The message names the file, its owner and mode, and what is expected.
+    """

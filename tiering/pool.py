@@ -34,6 +34,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import sys
 import tempfile
@@ -44,7 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from tiering.errors import BackendError, ConfigurationError, LayoutError
+from tiering.errors import BackendError, ConfigurationError, LayoutError, UnsafeFileError
 
 __all__ = ["CPUBlockPool", "PinMode"]
 
@@ -115,8 +116,10 @@ class CPUBlockPool:
     ) -> CPUBlockPool:
         """Join a shared pool, waiting up to ``timeout_s`` for its creator to finish.
 
-        Raises :class:`BackendError` on timeout and :class:`LayoutError` if the file holds a pool
-        of another geometry.
+        Raises :class:`BackendError` on timeout, :class:`LayoutError` if the file holds a pool
+        of another geometry, and :class:`UnsafeFileError` if the file is owned by another user
+        or open to group or others (that user could read or change every block): a pool is
+        created ``0600`` by its creator, and only processes of the same user join it.
         """
         pool = cls.__new__(cls)
         pool._set_geometry(num_blocks, block_bytes, world_size)
@@ -377,6 +380,7 @@ class _SharedRegion:
             fd = _open_existing(path)
             if fd is not None:
                 try:
+                    _check_private(fd, path)
                     if _header_ready(fd, path, header, file_bytes):
                         if _creator_alive(fd):
                             region = cls(path, fd, is_creator=False)
@@ -508,6 +512,21 @@ def _open_existing(path: Path) -> int | None:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+
+
+def _check_private(fd: int, path: Path) -> None:
+    """Refuse a pool file that another user owns or that group or others may open: its owner
+    (or anyone, for a 0666 file) could read every block and write into the pool."""
+    info = os.fstat(fd)
+    uid = os.geteuid()
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != uid or mode & 0o077:
+        raise UnsafeFileError(
+            f"refusing to join the shared pool {str(path)!r}: it is owned by uid {info.st_uid} "
+            f"with mode {mode:04o}; expected a file owned by this process's user (uid {uid}) "
+            "with mode 0600 (no access for group or others), as create_shared makes it. "
+            "Remove the file or give the pool another name"
+        )
 
 
 def _header_ready(fd: int, path: Path, header: bytes, file_bytes: int) -> bool:
