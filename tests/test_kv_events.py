@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import inspect
+import socket
 from collections.abc import Iterator
 
 import msgspec
@@ -15,6 +18,7 @@ from tiering.errors import ConfigurationError
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.observability.kv_events import (
+    DEFAULT_ENDPOINT,
     END_SEQ,
     BlockRemoved,
     BlockStored,
@@ -24,6 +28,7 @@ from tiering.observability.kv_events import (
     to_kv_events,
 )
 from tiering.protocol import OffloadingEvent
+from tiering.testing.redis_servers import free_port
 from tiering.tier import SecondaryTier
 from tiering.tiering_manager import TieringOffloadingManager
 
@@ -247,3 +252,49 @@ def test_an_endpoint_in_use_is_a_clear_error(context: zmq.Context[zmq.Socket[byt
             KVEventPublisher(first.endpoint.replace("127.0.0.1", "*"), context=context)
     with pytest.raises(ConfigurationError, match="hash_format"):
         KVEventPublisher("tcp://127.0.0.1:*", hash_format="hex", context=context)  # type: ignore[arg-type]
+
+
+def _listening(port: int) -> bool:
+    """Whether something listens on ``port`` of 127.0.0.1 (a bind there fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            assert exc.errno == errno.EADDRINUSE, exc
+            return True
+    return False
+
+
+def test_the_default_endpoint_binds_loopback_only(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    default = inspect.signature(KVEventPublisher).parameters["endpoint"].default
+    assert default == DEFAULT_ENDPOINT == "tcp://127.0.0.1:5557"
+    # A loopback endpoint binds (the default's shape, on a port of the test's own): subscribers
+    # on this host connect to it; it does not try to connect to a router.
+    port = free_port()
+    with KVEventPublisher(f"tcp://127.0.0.1:{port}", context=context) as publisher:
+        assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
+        assert _listening(port)
+        sub = subscriber(context, publisher.endpoint, "")
+        wait_subscribed(publisher, sub)
+        publisher.publish([OffloadingEvent((key(3),), "CPU", False)], ts=1.0)
+        _, _, batch = receive(sub)
+        assert [type(e).__name__ for e in batch.events] == ["BlockStored"]
+        sub.close()
+    port = free_port()
+    with KVEventPublisher(f"tcp://localhost:{port}", context=context) as publisher:
+        assert _listening(port)
+
+
+def test_bind_false_connects_to_a_loopback_proxy(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    proxy = context.socket(zmq.SUB)  # e.g. an XSUB proxy on this host that publishers connect to
+    proxy.setsockopt(zmq.LINGER, 0)
+    proxy.setsockopt(zmq.SUBSCRIBE, b"")
+    proxy.bind("tcp://127.0.0.1:*")
+    endpoint = proxy.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    with KVEventPublisher(endpoint.decode(), bind=False, context=context) as publisher:
+        assert publisher.endpoint == endpoint.decode()
+        wait_subscribed(publisher, proxy)
+    proxy.close()
+    with pytest.raises(ConfigurationError, match=r"'tcp://\*:5557' \(bind on every interface"):
+        KVEventPublisher("tcp://127.0.0.1:*", bind=False, context=context)  # cannot connect to *

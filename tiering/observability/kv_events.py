@@ -31,6 +31,7 @@ converts, encodes and sends, and answers replay requests; it alone touches the s
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import queue
 import threading
 import time
@@ -46,6 +47,7 @@ from tiering.errors import ConfigurationError
 from tiering.keys import get_offload_block_hash, get_offload_group_idx
 
 __all__ = [
+    "DEFAULT_ENDPOINT",
     "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_STORAGE",
@@ -204,11 +206,34 @@ class KVEventsStats:
 _STOP = object()
 
 
-def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str, *, always_bind: bool) -> str:
-    """Bind wildcard, ``ipc://`` and ``inproc://`` endpoints (and ``always_bind``); connect to
-    the rest, as vLLM does. Returns the endpoint in use (the port ZMQ chose for ``:*``)."""
-    bind = always_bind or "*" in endpoint or "::" in endpoint
-    bind = bind or endpoint.startswith(("ipc://", "inproc://"))
+#: The publisher's default endpoint: loopback, so events (which name every block a node holds)
+#: leave the host only when an operator binds another interface on purpose.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+def _is_loopback_tcp(endpoint: str) -> bool:
+    """Whether ``endpoint`` is ``tcp://`` on a loopback host (127.0.0.0/8, localhost, [::1])."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind_or_connect(
+    socket: zmq.Socket[bytes], endpoint: str, *, bind: bool | None, always_bind: bool
+) -> str:
+    """Bind wildcard, loopback, ``ipc://`` and ``inproc://`` endpoints (and ``always_bind``);
+    connect to the rest, as vLLM does (vLLM connects to an IPv4 loopback address; nothing but
+    a process on the same host can reach a loopback bind, and the default endpoint must bind).
+    ``bind`` overrides the guess. Returns the endpoint in use (the port ZMQ chose for ``:*``)."""
+    if bind is None:
+        bind = always_bind or "*" in endpoint or "::" in endpoint or _is_loopback_tcp(endpoint)
+        bind = bind or endpoint.startswith(("ipc://", "inproc://"))
     try:
         if not bind:
             socket.connect(endpoint)
@@ -218,7 +243,9 @@ def _bind_or_connect(socket: zmq.Socket[bytes], endpoint: str, *, always_bind: b
         action = "bind" if bind else "connect to"
         raise ConfigurationError(
             f"cannot {action} KV events endpoint {endpoint!r}: {exc}; give an endpoint such as "
-            "'tcp://*:5557' (bind) or 'tcp://router-host:5557' (connect)"
+            f"{DEFAULT_ENDPOINT!r} (bind on loopback), 'tcp://*:5557' (bind on every "
+            "interface: routers on other hosts can subscribe) or 'tcp://router-host:5557' "
+            "(connect)"
         ) from None
     last = socket.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else endpoint
@@ -231,12 +258,20 @@ class KVEventPublisher:
     ``publish(manager.take_events())`` after each scheduler step (or on a timer); events of an
     empty list publish nothing. ``close()`` sends what is queued, then closes the sockets.
     Raises :class:`ConfigurationError` naming the endpoint if a socket cannot bind.
+
+    The default ``endpoint`` binds loopback (``tcp://127.0.0.1:5557``): the events name every
+    block this node holds, so only processes on this host can subscribe until an operator
+    binds another interface on purpose (``tcp://*:5557``, or ``tcp://10.0.0.5:5557`` with
+    ``bind=True``). Wildcard, loopback, ``ipc://`` and ``inproc://`` endpoints bind, others
+    connect (vLLM's rule, plus loopback); ``bind`` overrides that (``bind=False`` to connect
+    to a proxy on this host).
     """
 
     def __init__(
         self,
-        endpoint: str = "tcp://*:5557",
+        endpoint: str = DEFAULT_ENDPOINT,
         *,
+        bind: bool | None = None,
         replay_endpoint: str | None = None,
         topic: str = "",
         buffer_steps: int = 10_000,
@@ -268,14 +303,14 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._replay: zmq.Socket[bytes] | None = None
         try:
-            self.endpoint = _bind_or_connect(self._pub, endpoint, always_bind=False)
+            self.endpoint = _bind_or_connect(self._pub, endpoint, bind=bind, always_bind=False)
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
                 # A whole replay plus its end marker must fit in the send queue.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self.replay_endpoint = _bind_or_connect(
-                    self._replay, replay_endpoint, always_bind=True
+                    self._replay, replay_endpoint, bind=None, always_bind=True
                 )
         except BaseException:
             self._close_sockets()
