@@ -216,7 +216,8 @@ def test_joiner_refuses_a_pool_file_owned_by_another_user(shm_name: str) -> None
         os.chown(path, other_uid, -1)  # mode stays 0600: only the owner differs
         with pytest.raises(UnsafeFileError, match=rf"owned by uid {other_uid} with mode 0600"):
             CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5)
-        with pytest.raises(UnsafeFileError, match=rf"expected a file owned by .*uid {os.geteuid()}"):
+        expected = rf"expected a file owned by .*uid {os.geteuid()}"
+        with pytest.raises(UnsafeFileError, match=expected):
             CPUBlockPool.open_or_create_shared(shm_name, 3, 128, timeout_s=5)
         os.chown(path, os.geteuid(), -1)
         CPUBlockPool.open_shared(shm_name, 3, 128, timeout_s=5).close()

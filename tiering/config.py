@@ -301,7 +301,10 @@ class EventsConfig:
     enabled: bool = field(default=False, metadata={"doc": "record stored/removed block events"})
     endpoint: str | None = field(
         default=None,
-        metadata={"doc": "ZMQ endpoint to publish KV events on (tcp://127.0.0.1:5557 binds loopback); null: none"},
+        metadata={
+            "doc": "ZMQ endpoint to publish KV events on (tcp://127.0.0.1:5557 binds loopback); "
+            "null: none"
+        },
     )
     replay_endpoint: str | None = field(
         default=None, metadata={"doc": "ZMQ endpoint serving missed batches to late subscribers"}
