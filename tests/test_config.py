@@ -185,6 +185,22 @@ BAD_INPUTS = [
         "version: 2\nprimary:\n  capacity: 1GiB\n",
         r"tiering.yaml:1: version: unsupported config version 2; supported: 1",
     ),
+    (
+        "version: 1.0\nprimary:\n  capacity: 1GiB\n",
+        r"tiering.yaml:1: version: must be the integer 1, got float 1.0; write 'version: 1'",
+    ),
+    (
+        "version: '1'\nprimary:\n  capacity: 1GiB\n",
+        r"tiering.yaml:1: version: must be the integer 1, got str '1'; write 'version: 1'",
+    ),
+    (
+        "version: true\nprimary:\n  capacity: 1GiB\n",
+        r"tiering.yaml:1: version: must be the integer 1, got bool True; write 'version: 1'",
+    ),
+    (
+        "version: 1.5\nprimary:\n  capacity: 1GiB\n",
+        r"tiering.yaml:1: version: must be the integer 1, got float 1.5",
+    ),
     ("version: 1\n", r"tiering.yaml:1: primary: missing; give at least 'version: 1' and"),
     (
         "version: 1\nprimary:\n  policy: lru\n",

@@ -873,7 +873,15 @@ def _parse_version(data: _LineMap, ctx: _Context) -> int:
     if "version" not in data:
         raise ctx.error("version", f"missing; add 'version: {CONFIG_VERSION}'", data.line)
     version = data["version"]
-    if isinstance(version, bool) or version != CONFIG_VERSION:
+    # The integer itself: 1.0, "1" and true compare or convert equal to 1 but are not it.
+    if type(version) is not int:
+        raise ctx.error(
+            "version",
+            f"must be the integer {CONFIG_VERSION}, got {type(version).__name__} {version!r}; "
+            f"write 'version: {CONFIG_VERSION}'",
+            _key_line(data, "version"),
+        )
+    if version != CONFIG_VERSION:
         raise ctx.error(
             "version",
             f"unsupported config version {version!r}; supported: {CONFIG_VERSION}",
