@@ -1529,11 +1529,13 @@ def build_manager(
     ``block_bytes`` (one offloaded block over all ranks: a pool row, what each tier stores) and
     ``fingerprint`` default to the ones ``config.model`` gives. ``pool`` (a
     :class:`CPUBlockPool` or a uint8 tensor of rows) defaults to :func:`build_pool`. Tier
-    directories are created here; tiers open in the background (call ``wait_ready()`` to wait
-    and surface open errors). ``step_driven`` is the manager's (an engine adapter sets it; see
-    :class:`TieringOffloadingManager`). Raises :class:`ConfigError` before creating anything if
-    a tier cannot be built. The plugins the config names are imported here
-    (:func:`resolve_plugins`).
+    directories are created here; tiers open in the background (``wait_ready()`` waits until
+    each is open or degraded). A tier that fails to open does not raise: it is degraded (it
+    holds and takes nothing, the other tiers go on serving), logged once, and reported by
+    ``manager.metrics()[tier]["status"]`` and ``["open_error"]``. ``step_driven`` is the
+    manager's (an engine adapter sets it; see :class:`TieringOffloadingManager`). Raises
+    :class:`ConfigError` before creating anything if a tier cannot be built. The plugins the
+    config names are imported here (:func:`resolve_plugins`).
     """
     config = resolve_plugins(config)
     description = None

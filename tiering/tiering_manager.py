@@ -1098,7 +1098,9 @@ class TieringOffloadingManager(OffloadingManager):
                 return
 
     def wait_ready(self, timeout: float | None = 60.0) -> None:
-        """Block until every tier is open and indexed (or degraded)."""
+        """Block until every tier is open and indexed, or degraded: a tier that fails to open
+        does not raise here (see the class docstring; ``metrics()[name]["status"]`` and
+        ``["open_error"]`` say which and why). Raises ``TimeoutError`` after ``timeout`` s."""
         self.wait_idle(timeout)
 
     async def drain(self) -> None:
