@@ -97,6 +97,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering import CPUOffloadingManager, TieringOffloadingManager
 from tiering.config import TieringConfig, build_tier, load_config
 from tiering.errors import ConfigError
+from tiering.integrations.vllm_extra import check_spec_extra, spec_int
 from tiering.integrations.vllm_identity import model_identity_of
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
 from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
@@ -159,7 +160,9 @@ class TieringSpec(TieringOffloadingSpec):
     command line and the YAML's ``primary.capacity`` is not used), and optionally vLLM's
     ``eviction_policy`` and ``store_threshold`` / ``max_tracker_size`` (which override the
     YAML's ``primary.policy`` and ``primary.store_threshold``), ``block_size`` /
-    ``blocks_per_chunk``.
+    ``blocks_per_chunk``. Every value is checked first
+    (:func:`~tiering.integrations.vllm_extra.check_spec_extra`): a bad one is a
+    :class:`ConfigError` naming the key, the value and what is valid.
     """
 
     @classmethod
@@ -168,6 +171,7 @@ class TieringSpec(TieringOffloadingSpec):
     ) -> dict[str, OffloadingMetricMetadata]:
         """vLLM's tiering metrics, tiering's per-tier counters and ``stores_skipped`` (the
         threshold may come from the YAML, which the API server does not read)."""
+        check_spec_extra(extra_config)  # vLLM's int() of store_threshold runs next
         metrics = super().build_metric_definitions(extra_config)
         metrics.update(TieringSecondaryTier.build_metric_definitions({}))
         metrics[CPUOffloadingMetrics.STORES_SKIPPED] = OffloadingCounterMetadata(
@@ -184,18 +188,14 @@ class TieringSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         extra = config.extra_config
+        check_spec_extra(extra)  # every value, before vLLM's constructors convert them
         if extra.get("secondary_tiers"):
             raise ConfigError(
                 "TieringSpec: tiers come from the file named by 'tiering_config'; "
                 "'secondary_tiers' belongs to vLLM's TieringOffloadingSpec (to put tiering's "
                 "tiers under vLLM's own CPU tier, use spec_name 'TieringOffloadingSpec')"
             )
-        path = extra.get("tiering_config")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(
-                "TieringSpec: kv_connector_extra_config needs 'tiering_config': the path of a "
-                f"tiering YAML file naming the tiers below the CPU tier; got {path!r}"
-            )
+        path = str(extra["tiering_config"])
         if extra.get("cache_policy_module_path"):
             raise ConfigError(
                 "TieringSpec: 'cache_policy_module_path' names a vLLM CachePolicy; tiering's "
@@ -540,19 +540,11 @@ class TieringManager(OffloadingManager):
 
 def _store_threshold(extra: Any, config: TieringConfig) -> int:
     """vLLM's ``store_threshold`` if given (values below 2 store every offer), else the
-    YAML's ``primary.store_threshold``."""
+    YAML's ``primary.store_threshold``. The value was checked by ``check_spec_extra``."""
     value = extra.get("store_threshold")
     if value is None:
         return config.primary.store_threshold
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(f"TieringSpec: store_threshold must be an integer, got {value!r}")
-    try:
-        threshold = int(value)
-    except ValueError:
-        raise ConfigError(
-            f"TieringSpec: store_threshold must be an integer, got {value!r}"
-        ) from None
-    return max(threshold, 1)
+    return max(spec_int(extra, "store_threshold"), 1)
 
 
 def _keys(keys: Iterable[OffloadKey]) -> list[Key]:

@@ -79,6 +79,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.config import TierConfig, build_backend, load_config, parse_config
 from tiering.errors import ConfigError, ProtocolError
+from tiering.integrations.vllm_extra import check_tier_entry
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
 from tiering.io_loop import IOLoop
 from tiering.policies import EvictionPolicy, make_policy
@@ -153,6 +154,16 @@ class TieringSecondaryTier(SecondaryTierManager):
         locality: str | None = None,
         **tier_keys: Any,
     ) -> None:
+        check_tier_entry(
+            tier_type,
+            {
+                "tiering_config": tiering_config,
+                "tier": tier,
+                "backend": backend,
+                "enable_kv_events": enable_kv_events,
+                "locality": locality,
+            },
+        )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         settings = _tier_settings(tier_type, tiering_config, tier, backend, tier_keys)
         self.name = settings.name
