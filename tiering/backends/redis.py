@@ -124,6 +124,7 @@ from tiering.backends.block_format import (
     unpack_header,
 )
 from tiering.backends.redis_nodes import ClientOptions, RedisNode, RedisNodes, parse_seeds
+from tiering.backends.redis_reads import BlockReads
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -145,9 +146,11 @@ REDIS_OVERHEAD_BYTES = 512
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 _MOVED = (MovedError, AskError, TryAgainError, ClusterDownError)
 
-_ReadReplies = Callable[[list[Any]], None]
+#: Takes a pipeline's replies (in order), records the outcomes, and returns the items that
+#: Redis redirected with ``MOVED`` (their outcomes are left as they were), with the reply.
+_ReadReplies = Callable[[list[Any]], dict[int, MovedError]]
 #: ``add(pipeline, indexes)`` queues the commands for items ``indexes`` on a redis-py pipeline
-#: and returns the function that takes the pipeline's replies (in order) and records outcomes.
+#: and returns the function that reads the pipeline's replies.
 _AddCommands = Callable[[Any, list[int]], _ReadReplies]
 
 
@@ -292,6 +295,11 @@ async def _all_or_none(jobs: Sequence[Coroutine[Any, Any, None]]) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(pending)
         raise
+
+
+def _length(value: bytes, expected: int) -> str:
+    """A string's length as read: a read stops one byte past the expected length."""
+    return f"more than {expected}" if len(value) > expected else str(len(value))
 
 
 def _byte_view(buf: object, nbytes: int, kind: str, index: int, *, writable: bool) -> memoryview:
@@ -655,7 +663,7 @@ class RedisBackend(StorageBackend):
         fingerprint = self.fingerprint
         split = self.block_bytes - self._tail_bytes
 
-        def add(pipe: Any, chunk: list[int]) -> Callable[[list[Any]], None]:
+        def add(pipe: Any, chunk: list[int]) -> _ReadReplies:
             for i in chunk:
                 view = views[i]
                 header = pack_header(keys[i], view, fingerprint) + view[split:].tobytes()
@@ -666,15 +674,20 @@ class RedisBackend(StorageBackend):
                     pipe.execute_command("PEXPIRE", payload_name, ttl_ms)
             step = 1 if ttl_ms is None else 3
 
-            def read(replies: list[Any]) -> None:
+            def read(replies: list[Any]) -> dict[int, MovedError]:
+                moved: dict[int, MovedError] = {}
                 for j, i in enumerate(chunk):
                     reply = replies[j * step]
+                    if isinstance(reply, MovedError):  # not written: sent again once
+                        moved[i] = reply
+                        continue
                     if isinstance(reply, BaseException):
                         results[i] = self._error_outcome(reply, writing=True)
                         continue
                     results[i] = Outcome.OK
                     if skipped is not None and reply == 0:  # MSETNX: a string was there
                         skipped.add(i)
+                return moved
 
             return read
 
@@ -693,13 +706,24 @@ class RedisBackend(StorageBackend):
             return []
         results: list[Outcome] = [Outcome.FAILED] * len(key_list)
         names = [self.redis_keys(k) for k in key_list]
-        corrupt: dict[int, tuple[bytes, bytes]] = {}
-        halves: list[tuple[bytes, bytes]] = []  # blocks with one string gone
+        corrupt: dict[int, str] = {}  # item -> why it does not verify
+        halves: set[int] = set()  # blocks with one string gone
         with self._operation():
             add = self._get_chunk(key_list, views, names, results, corrupt, halves)
             await self._run(nodes, names, range(len(key_list)), add, writing=False)
             if corrupt or halves:
-                await self._small(nodes, "UNLINK", [*corrupt.values(), *halves])
+                # A block rewritten, evicted or expired between its two reads looks torn once
+                # (redis_reads): read it again before calling it corrupt or unlinking half of it.
+                again = sorted({*corrupt, *halves})
+                corrupt.clear()
+                halves.clear()
+                for i in again:
+                    results[i] = Outcome.FAILED
+                await self._run(nodes, names, again, add, writing=False)
+            for i, why in corrupt.items():
+                _log.warning("corrupt redis block %s: %s", key_list[i].hex(), why)
+            if corrupt or halves:
+                await self._small(nodes, "UNLINK", [names[i] for i in (*corrupt, *halves)])
         ok = results.count(Outcome.OK)
         self.stats.gets += len(results)
         self.stats.hits += ok
@@ -720,57 +744,70 @@ class RedisBackend(StorageBackend):
         views: list[memoryview],
         names: list[tuple[bytes, bytes]],
         results: list[Outcome],
-        corrupt: dict[int, tuple[bytes, bytes]],
-        halves: list[tuple[bytes, bytes]],
+        corrupt: dict[int, str],
+        halves: set[int],
     ) -> _AddCommands:
-        def add(pipe: Any, chunk: list[int]) -> Callable[[list[Any]], None]:
-            for i in chunk:
-                pipe.execute_command("MGET", *names[i])
+        """Reads of at most a block per string (see ``redis_reads``)."""
+        header_bytes = HEADER_BYTES + self._tail_bytes
+        payload_bytes = self.block_bytes - self._tail_bytes
 
-            def read(replies: list[Any]) -> None:
-                for i, reply in zip(chunk, replies, strict=True):
-                    outcome = self._read_reply(keys[i], views[i], reply)
-                    results[i] = outcome
-                    if outcome is Outcome.CORRUPT:
-                        corrupt[i] = names[i]
-                    elif outcome is Outcome.MISSING and reply != [None, None]:
-                        halves.append(names[i])
+        def add(pipe: Any, chunk: list[int]) -> _ReadReplies:
+            reads = BlockReads(names, chunk, header_bytes=header_bytes, payload_bytes=payload_bytes)
+            reads.queue(pipe)
+
+            def read(replies: list[Any]) -> dict[int, MovedError]:
+                moved: dict[int, MovedError] = {}
+                for i, header, payload in reads.replies(replies):
+                    error = header if isinstance(header, BaseException) else payload
+                    if isinstance(error, MovedError):  # nothing was read: asked again once
+                        moved[i] = error
+                        continue
+                    if isinstance(error, BaseException):
+                        results[i] = self._error_outcome(error, writing=False)
+                        continue
+                    assert not isinstance(header, BaseException)
+                    assert not isinstance(payload, BaseException)
+                    try:
+                        results[i] = self._read_reply(keys[i], views[i], header, payload)
+                    except CorruptBlockError as exc:
+                        results[i] = Outcome.CORRUPT
+                        corrupt[i] = str(exc)
+                        continue
+                    if results[i] is Outcome.MISSING and (header, payload) != (None, None):
+                        halves.add(i)
+                return moved
 
             return read
 
         return add
 
-    def _read_reply(self, key: bytes, view: memoryview, reply: Any) -> Outcome:
-        """Verify one ``MGET`` reply and copy its payload into ``view``."""
-        if isinstance(reply, BaseException):
-            return self._error_outcome(reply, writing=False)
-        raw_header, payload = reply
+    def _read_reply(
+        self, key: bytes, view: memoryview, raw_header: bytes | None, payload: bytes | None
+    ) -> Outcome:
+        """Verify one block's strings (each read up to one byte past its length) and copy its
+        payload into ``view``; ``CorruptBlockError`` saying why a block does not verify."""
         if raw_header is None or payload is None:  # absent, or half of it evicted or expired
             return Outcome.MISSING
-        try:
-            header = unpack_header(raw_header)
-            tail = self._tail_bytes
-            split = self.block_bytes - tail
-            if len(raw_header) != HEADER_BYTES + tail or len(payload) != split:
-                raise CorruptBlockError(
-                    f"strings of {len(raw_header)} and {len(payload)} bytes, expected "
-                    f"{HEADER_BYTES + tail} and {split}"
-                )
-            if header.key != key:
-                raise CorruptBlockError(f"block holds key {header.key.hex()}")
-            if header.fingerprint != self.fingerprint:
-                raise CorruptBlockError("block was written for another layout")
-            if header.payload_bytes != self.block_bytes:
-                raise CorruptBlockError(
-                    f"header says {header.payload_bytes} payload bytes, expected {self.block_bytes}"
-                )
-            view[:split] = payload
-            view[split:] = memoryview(raw_header)[HEADER_BYTES:]
-            if checksum(view) != header.payload_checksum:
-                raise CorruptBlockError("payload checksum mismatch")
-        except CorruptBlockError as exc:
-            _log.warning("corrupt redis block %s: %s", key.hex(), exc)
-            return Outcome.CORRUPT
+        tail = self._tail_bytes
+        split = self.block_bytes - tail
+        if len(raw_header) != HEADER_BYTES + tail or len(payload) != split:
+            raise CorruptBlockError(
+                f"strings of {_length(raw_header, HEADER_BYTES + tail)} and "
+                f"{_length(payload, split)} bytes, expected {HEADER_BYTES + tail} and {split}"
+            )
+        header = unpack_header(raw_header)
+        if header.key != key:
+            raise CorruptBlockError(f"block holds key {header.key.hex()}")
+        if header.fingerprint != self.fingerprint:
+            raise CorruptBlockError("block was written for another layout")
+        if header.payload_bytes != self.block_bytes:
+            raise CorruptBlockError(
+                f"header says {header.payload_bytes} payload bytes, expected {self.block_bytes}"
+            )
+        view[:split] = payload
+        view[split:] = memoryview(raw_header)[HEADER_BYTES:]
+        if checksum(view) != header.payload_checksum:
+            raise CorruptBlockError("payload checksum mismatch")
         return Outcome.OK
 
     def _error_outcome(self, error: BaseException, *, writing: bool) -> Outcome:
@@ -843,9 +880,30 @@ class RedisBackend(StorageBackend):
     ) -> None:
         """Send the commands ``add`` makes for ``indexes``: per node, in pipelines of at most
         ``pipeline_bytes`` of values, ``pipelines_per_node`` at a time. Items of a node that
-        fails keep the outcome they had (callers start from ``FAILED``)."""
+        fails keep the outcome they had (callers start from ``FAILED``). Items that a node
+        answered ``MOVED`` for (a slot moved, e.g. by a resharding) are sent once more to the
+        node the reply names, and the slot table is read again before the next call."""
         await nodes.maybe_refresh()
+        moved = await self._send(nodes, names, indexes, add, writing=writing)
+        if moved:
+            self._count("redirections", len(moved))
+            nodes.follow_moved(moved.values())
+            again = await self._send(nodes, names, sorted(moved), add, writing=writing)
+            if again:  # moved twice in one call: they stay FAILED
+                self._count("redirections", len(again))
+
+    async def _send(
+        self,
+        nodes: RedisNodes,
+        names: list[tuple[bytes, bytes]],
+        indexes: Sequence[int] | range,
+        add: _AddCommands,
+        *,
+        writing: bool,
+    ) -> dict[int, MovedError]:
+        """One pass of :meth:`_run`; returns the items answered ``MOVED``."""
         per_pipeline = max(1, self.settings.pipeline_bytes // self.block_bytes)
+        moved: dict[int, MovedError] = {}
         jobs: list[Coroutine[Any, Any, None]] = []
         for node, items in nodes.group(names, indexes).items():
             if node.is_down:
@@ -853,8 +911,9 @@ class RedisBackend(StorageBackend):
                 continue
             for start in range(0, len(items), per_pipeline):
                 chunk = items[start : start + per_pipeline]
-                jobs.append(self._pipeline(nodes, node, chunk, add, writing=writing))
+                jobs.append(self._pipeline(nodes, node, chunk, add, moved, writing=writing))
         await _all_or_none(jobs)
+        return moved
 
     async def _pipeline(
         self,
@@ -862,6 +921,7 @@ class RedisBackend(StorageBackend):
         node: RedisNode,
         chunk: list[int],
         add: _AddCommands,
+        moved: dict[int, MovedError],
         *,
         writing: bool,
     ) -> None:
@@ -878,15 +938,16 @@ class RedisBackend(StorageBackend):
                 nodes.mark_down(node, exc)
                 return
         nodes.mark_up(node)
-        read(replies)
+        moved.update(read(replies))
 
     async def _small(
         self, nodes: RedisNodes, command: str, names: Sequence[tuple[bytes, bytes]]
     ) -> list[Any]:
         """``command header_name payload_name`` per block, one pipeline per node; None where a
-        node failed."""
+        node failed. Blocks answered ``MOVED`` are sent once more, as in :meth:`_run`."""
         await nodes.maybe_refresh()
         replies: list[Any] = [None] * len(names)
+        moved: dict[int, MovedError] = {}
 
         async def one(node: RedisNode, items: list[int]) -> None:
             if node.is_down:
@@ -903,13 +964,22 @@ class RedisBackend(StorageBackend):
                 return
             nodes.mark_up(node)
             for i, answer in zip(items, answers, strict=True):
-                if isinstance(answer, BaseException):
+                if isinstance(answer, MovedError) and retry:
+                    moved[i] = answer
+                elif isinstance(answer, BaseException):
                     self._error_outcome(answer, writing=False)
                 else:
                     replies[i] = answer
 
+        retry = True
         groups = nodes.group(names, range(len(names)))
         await _all_or_none([one(node, items) for node, items in groups.items()])
+        if moved:
+            self._count("redirections", len(moved))
+            nodes.follow_moved(moved.values())
+            retry = False
+            groups = nodes.group(names, sorted(moved))
+            await _all_or_none([one(node, items) for node, items in groups.items()])
         return replies
 
     # -- what the servers say -------------------------------------------------------------------

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import MovedError, RedisError
 
 __all__ = ["ClientOptions", "RedisNode", "RedisNodes", "parse_seeds"]
 
@@ -276,6 +276,22 @@ class RedisNodes:
         for i in indexes:
             groups.setdefault(slots[key_slot(names[i][0])], []).append(i)
         return groups
+
+    def follow_moved(self, replies: Iterable[MovedError]) -> None:
+        """Point each slot that a ``MOVED`` reply names at the node it names (connecting to it
+        if it is new), so that the commands it refused can be sent there at once; the whole
+        table is read again before the next call (a resharding moves many slots).
+
+        ``MOVED`` comes from a node of this deployment, after authentication, and names the
+        master that serves the slot now: the answer a fresh ``CLUSTER SLOTS`` would give.
+        """
+        if not self.cluster:
+            return
+        for reply in replies:
+            node = self._node(str(reply.host), int(reply.port))
+            if 0 <= reply.slot_id < len(self._slots):
+                self._slots[reply.slot_id] = node
+        self._stale = True
 
     def mark_stale(self) -> None:
         """The slot table may be wrong (MOVED, a failover): read it again before the next call."""
