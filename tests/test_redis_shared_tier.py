@@ -527,6 +527,42 @@ def test_a_cluster_node_killed_mid_run(own_cluster: RedisClusterProcesses, make_
     assert not late.backend.degraded
 
 
+def test_a_resharded_slot_is_a_hit_not_a_quarantine(
+    own_cluster: RedisClusterProcesses, make_node: Any
+) -> None:
+    """After a resharding, the first check and the first read of a moved key get MOVED from
+    the old master: both follow the reply to the new one, the key is a hit with its bytes,
+    and nothing is quarantined (the store still holds it)."""
+    writer = make_node(own_cluster, num_blocks=16)
+    keys = [_key(i, "reshard") for i in range(32)]
+    writer.store(keys[:16])
+    writer.store(keys[16:])  # the first half left the writer's CPU tier
+    reader = make_node(own_cluster)  # knows nothing: it asks (EXISTS) first
+    slot_of = {k: key_slot(writer.backend.redis_keys(k)[0]) for k in keys}
+    moved_keys = [k for k in keys[:16] if slot_of[k] == slot_of[keys[0]]]
+    source = own_cluster.node_for_slot(slot_of[keys[0]])
+    target = next(n for n in own_cluster.nodes if n is not source)
+    assert own_cluster.move_slot(slot_of[keys[0]], target) == 2 * len(
+        [k for k in keys if slot_of[k] == slot_of[keys[0]]]
+    )
+
+    first = keys[:16]  # the writer's cache says stored: the promotions read at once
+    assert writer.lookup(first) == [RETRY] * 16
+    writer.settle()
+    assert writer.lookup(first) == [HIT] * 16
+    writer.load_exact(first)
+    assert reader.lookup(keys) == [RETRY] * 32
+    reader.settle()
+    assert reader.lookup(keys) == [HIT] * 32
+    reader.load_exact(keys)
+    for node in (writer, reader):  # each learnt of the move from MOVED replies
+        metrics = node.tier.metrics
+        assert metrics.quarantined == metrics.check_unknown == metrics.promotion_failures == 0
+        assert len(node.tier._quarantine) == 0
+        assert node.backend.stats.extra["redirections"] >= len(moved_keys)
+        assert not node.backend.degraded
+
+
 def test_prometheus_samples_of_a_shared_tier(redis_standalone: RedisServer, make_node: Any) -> None:
     writer, reader = make_node(redis_standalone), make_node(redis_standalone)
     keys = [_key(i, "prom") for i in range(4)]

@@ -395,6 +395,37 @@ class RedisClusterProcesses:
                     return next(n for n in self.nodes if n.port == port)
         raise RedisServerError(f"no running node knows slot {slot}")
 
+    def move_slot(self, slot: int, target: RedisServer) -> int:
+        """Reshard hash slot ``slot`` and its keys to ``target``, the steps ``redis-cli
+        --cluster reshard`` takes: the slot IMPORTING on the target and MIGRATING on its
+        master, its keys moved with ``MIGRATE``, then ``SETSLOT NODE`` on every running node.
+        Returns how many keys moved."""
+        source = self.node_for_slot(slot)
+        if source is target:
+            raise ValueError(f"slot {slot} is served by {target.address} already")
+        ids = {}
+        for node in (source, target):
+            raw = node.command("CLUSTER", "MYID")
+            assert isinstance(raw, bytes)
+            ids[node.port] = raw.decode()
+        target.command("CLUSTER", "SETSLOT", str(slot), "IMPORTING", ids[source.port])
+        source.command("CLUSTER", "SETSLOT", str(slot), "MIGRATING", ids[target.port])
+        auth = ["AUTH", self.password] if self.password else []
+        moved = 0
+        while True:
+            keys = source.command("CLUSTER", "GETKEYSINSLOT", str(slot), "100")
+            assert isinstance(keys, list)
+            if not keys:
+                break
+            names = [k for k in keys if isinstance(k, bytes)]
+            source.command("MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", *auth,
+                           "KEYS", *names)  # fmt: skip
+            moved += len(names)
+        for node in (target, source, *self.nodes):  # the two ends first, as redis-cli does
+            if node.running:
+                node.command("CLUSTER", "SETSLOT", str(slot), "NODE", ids[target.port])
+        return moved
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
