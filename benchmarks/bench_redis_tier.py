@@ -5,15 +5,17 @@ on loopback ports, in a temp dir) and, for blocks of 256 KiB and 2 MiB, times pu
 into rows of a preallocated torch uint8 pool, ``--batch`` blocks per call:
 
 * ``backend``: :class:`~tiering.backends.redis.RedisBackend` (block header, checksums, one
-  ``MSET``/``MGET`` of two strings per block, pipelines of at most ``pipeline_bytes`` per node,
-  verification on every get, the copy into the row);
+  ``MSET`` of two strings per block, and a ``GETRANGE`` of each string bounded at one byte past
+  its size, pipelines of at most ``pipeline_bytes`` per node, verification on every get, the
+  copy into the row);
 * ``raw 1 pipe``: redis-py as most code uses it, one pipeline per call, ``SET``/``GET`` of the
   bare payload straight from the row (a get copies the reply into the row);
 * ``raw cut``: the same, cut into pipelines of ``pipeline_bytes``, at most
   ``pipelines_per_node`` in flight (per call: on the cluster that is fewer than the backend's,
   which are per node), the arrangement the backend uses (see its module docstring for why);
 * ``raw cut pair``: ``raw cut`` with the backend's command shape (``MSET`` of a header string
-  and the payload string, ``MGET``), without its header, checksums and checks.
+  and the payload string; the two bounded ``GETRANGE``), without its header, checksums and
+  checks.
 
 The raw clients use the backend's socket read size. Ratio = backend GB/s / the better of
 ``raw 1 pipe`` and ``raw cut`` (target >= 0.8); the second ratio is against ``raw cut pair``
@@ -200,12 +202,15 @@ class RawClient:
         self, names: list[tuple[bytes, bytes]], rows: list[memoryview], items: range
     ) -> None:
         split = rows[0].nbytes - TAIL_BYTES
+        header_bytes = HEADER_BYTES + TAIL_BYTES
 
-        def queue(pipe: Any, i: int) -> None:
-            pipe.execute_command("MGET", *names[i])
+        def queue(pipe: Any, i: int) -> None:  # each string read up to one byte past its size
+            pipe.execute_command("GETRANGE", names[i][0], 0, header_bytes)
+            pipe.execute_command("GETRANGE", names[i][1], 0, split)
 
         for chunk, values in await self._pipelines(items, rows[0].nbytes, True, queue):
-            for i, (header, payload) in zip(chunk, values, strict=True):
+            for j, i in enumerate(chunk):
+                header, payload = values[2 * j], values[2 * j + 1]
                 rows[i][:split] = payload
                 rows[i][split:] = memoryview(header)[HEADER_BYTES:]
 

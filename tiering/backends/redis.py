@@ -5,16 +5,20 @@ Needs the ``redis`` package with its ``hiredis`` parser (``pip install 'tiering[
 asks for ``type: redis``.
 
 Values
-    Two Redis strings per block, written by one ``MSET`` and read by one ``MGET`` (both atomic:
-    a reader never sees half a write), named ``<key_prefix>:<layout fingerprint, hex>:{<offload
-    key, hex>}:h`` and ``...:p``; the ``{...}`` hash tag puts both in one cluster slot. ``h``
+    Two Redis strings per block, written by one ``MSET`` (atomic) and read by a ``GETRANGE``
+    of each that stops one byte past the string's size (:mod:`~tiering.backends.redis_reads`:
+    a value planted under a block's name is never read whole), named
+    ``<key_prefix>:<layout fingerprint, hex>:{<offload key, hex>}:h`` and ``...:p``; the
+    ``{...}`` hash tag puts both in one cluster slot. ``h``
     holds the 128-byte :mod:`~tiering.backends.block_format` header (the full key, the layout
     fingerprint, the payload checksum) followed by the payload's last ``TAIL_BYTES`` (64); ``p``
     holds the rest of the payload. Every get checks the header (its own checksum, the key, the
     fingerprint, the size) and the payload checksum: a value that is corrupt, truncated, or
     written for another key or layout is ``CORRUPT`` (counted, logged, unlinked), never a hit;
     a block with one of its two strings gone (evicted or expired apart, deleted by hand, or of
-    another type) is ``MISSING``, and the other string is unlinked. The fingerprint in every
+    another type) is ``MISSING``, and the other string is unlinked. A block is read again
+    before it is called corrupt or half of it is unlinked: one rewritten, evicted or expired
+    between its two reads looks torn on the first. The fingerprint in every
     name keeps two models or layouts on one deployment apart; the prefix keeps deployments (or
     tenants) apart; ``cache_salt`` is already inside the offload key.
 
@@ -75,13 +79,17 @@ Failures
     not set raises :class:`~tiering.errors.ConfigurationError`). At run time a node that fails
     (refused, reset, timed out, TLS or auth failure) fails only its own keys (``FAILED``; a
     get's ``FAILED`` is a miss to the tier), is logged once, counted, and skipped for
-    ``retry_interval_s`` before it is tried again; nothing raises into the engine. Redirections
-    (``MOVED``/``ASK``, a failover) fail the keys concerned and have the slot table read again.
+    ``retry_interval_s`` before it is tried again; nothing raises into the engine. A ``MOVED``
+    reply (a slot resharded, or a failover) points the slot at the master it names and the
+    keys concerned are sent there once more, in the same call; the slot table is read again
+    before the next call. ``ASK`` (a slot in mid-migration), ``TRYAGAIN`` and ``CLUSTERDOWN``
+    fail the keys concerned (``FAILED``) and have the slot table read again.
 
 Stats
     ``puts``/``gets`` count keys; ``bytes_written``/``bytes_read`` payload bytes of ``OK``
     results. ``extra``: ``node_errors`` (pipelines a node failed), ``node_down_keys`` (keys failed
-    at once because their node was down), ``redirections``, ``oom_rejections``, ``vanished``
+    at once because their node was down), ``redirections`` (keys answered ``MOVED``, ``ASK``, ...),
+    ``oom_rejections``, ``vanished``
     (held keys that Redis no longer had), ``recovered_blocks``, ``recovered_over_capacity``,
     ``put_skipped_present``.
 """
