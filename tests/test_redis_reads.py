@@ -4,6 +4,7 @@ slot moved by a resharding is followed at once (a hit, not a failure)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 from collections.abc import Callable, Iterator
@@ -12,10 +13,12 @@ from typing import Any
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import MovedError
 from redis_helpers import Target, make_redis_backend, raw_client, require_redis
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
+from tiering.backends.redis_nodes import ClientOptions, RedisNodes
 from tiering.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
@@ -218,3 +221,24 @@ async def test_a_slot_moved_by_a_resharding_is_followed_at_once(
         assert await backend.get(keys, out) == [OK] * 24 and out == values
         assert backend.stats.read_failures == 0 and backend.stats.put_failures == 0
         assert not backend.degraded
+
+
+def test_a_moved_reply_naming_no_host_means_the_host_that_replied() -> None:
+    """A cluster node that does not know its own address answers ``MOVED <slot> :<port>``."""
+    options = ClientOptions(username=None, password=None, db=0, tls=False, tls_ca_file=None,
+                            tls_cert_file=None, tls_key_file=None, connect_timeout_s=1.0,
+                            timeout_s=1.0, max_connections=4)  # fmt: skip
+    nodes = RedisNodes(
+        standalone_url=None,
+        seeds=[("10.0.0.1", 7000)],
+        options=options,
+        pipelines_per_node=1,
+        retry_interval_s=1.0,
+    )
+    nodes._install([(0, 9, "10.0.0.1", 7000), (10, 16383, "10.0.0.3", 7003)])
+    nodes.follow_moved([MovedError("5 :7001"), MovedError("11 10.0.0.2:7002"),
+                        MovedError("12 ?:7004")])  # fmt: skip
+    assert [nodes._slots[s].address for s in (4, 5, 11, 12, 13)] == [
+        "10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7004", "10.0.0.3:7003"
+    ]  # fmt: skip
+    asyncio.run(nodes.close())  # (nothing was connected)

@@ -288,9 +288,13 @@ class RedisNodes:
         if not self.cluster:
             return
         for reply in replies:
-            node = self._node(str(reply.host), int(reply.port))
-            if 0 <= reply.slot_id < len(self._slots):
-                self._slots[reply.slot_id] = node
+            if not 0 <= reply.slot_id < len(self._slots):
+                continue
+            # A node that does not know its own address names "" or "?": the host the reply
+            # came from is meant, the slot's old master (the commands were sent there).
+            host = str(reply.host).strip("?")
+            host = host or self._slots[reply.slot_id].address.rpartition(":")[0]
+            self._slots[reply.slot_id] = self._node(host, int(reply.port))
         self._stale = True
 
     def mark_stale(self) -> None:
