@@ -511,18 +511,23 @@ class TierStore:
 
     # -- get ------------------------------------------------------------------------------------
 
-    def get(self, keys: Sequence[bytes], blocks: Sequence[Block]) -> list[int | None]:
+    def get(
+        self, keys: Sequence[bytes], blocks: Sequence[Block], *, exact: bool = False
+    ) -> list[int | None]:
         """Read each key into ``blocks[i]`` (writable memory of at least the block's length);
         the block's length, or None for a miss (absent, gone, corrupt, too long for the
-        memory given, or the call timed out)."""
+        memory given, or the call timed out). ``exact``: a block whose length is not the
+        memory's whole size is a miss too (nothing of it written)."""
         keys, targets, op, staging, chosen = self._start_get(keys, blocks)
         self._wait(op.done, "get", self.timeout_s, None)
-        return self._scatter(keys, targets, op, staging, chosen)
+        return self._scatter(keys, targets, op, staging, chosen, exact)
 
-    async def aget(self, keys: Sequence[bytes], blocks: Sequence[Block]) -> list[int | None]:
+    async def aget(
+        self, keys: Sequence[bytes], blocks: Sequence[Block], *, exact: bool = False
+    ) -> list[int | None]:
         keys, targets, op, staging, chosen = self._start_get(keys, blocks)
         await self._await(op.done, "get", None)
-        return self._scatter(keys, targets, op, staging, chosen)
+        return self._scatter(keys, targets, op, staging, chosen, exact)
 
     def _start_get(
         self, keys: Sequence[bytes], blocks: Sequence[Block]
@@ -570,6 +575,7 @@ class TierStore:
         op: _Op,
         staging: Any,
         chosen: dict[bytes, int],
+        exact: bool,
     ) -> list[int | None]:
         out: list[int | None] = [None] * len(keys)
         if op.done.done():
@@ -588,8 +594,9 @@ class TierStore:
                     with self._lock:
                         self.stats.corrupt += 1
                     continue
-                if length > sum(r.nbytes for r in runs):
-                    continue  # the caller's memory is too small: a miss, nothing written
+                room = sum(r.nbytes for r in runs)
+                if length > room or (exact and length != room):
+                    continue  # the caller's memory does not fit it: a miss, nothing written
                 at = 0
                 for run in runs:
                     take = min(run.nbytes, length - at)
