@@ -7,6 +7,7 @@ Bytes are compared page by page, through a restart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from tests.engines.sglang_pools import MambaHostPool, MHAHostPool, MLASplitHostPool
+from engines.sglang_pools import MambaHostPool, MHAHostPool, MLASplitHostPool
 from tiering.errors import ConfigError
 from tiering.integrations.sglang import TieringHiCacheStorage
 
@@ -108,7 +109,7 @@ def _hashes(n: int, salt: str = "") -> list[str]:
     return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
 
 
-POOLS = {
+POOLS: dict[str, Callable[[], MHAHostPool | MLASplitHostPool]] = {
     "page_first": lambda: MHAHostPool("page_first", page_size=PAGE),
     "page_first_direct": lambda: MHAHostPool("page_first_direct", page_size=PAGE),
     "page_head": lambda: MHAHostPool("page_head", page_size=PAGE),
@@ -180,7 +181,8 @@ def test_v0_flat_pages(tmp_path: Path) -> None:
     assert backend.exists(key)
     got = backend.get(key)
     assert got is not None and torch.equal(got.view(torch.int16), page.view(torch.int16))
-    assert backend.batch_get([key, _hashes(1, "no")[0]])[1] is None
+    got_both = backend.batch_get([key, _hashes(1, "no")[0]])
+    assert isinstance(got_both, list) and got_both[1] is None
     backend.close()
 
 

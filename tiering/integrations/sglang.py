@@ -203,7 +203,8 @@ class TieringHiCacheStorage(HiCacheStorage):
                 f"no host pool {name!r} is registered (have {sorted(self._host_pools)})"
             )
         layout = pool_layout(self.storage_config, pool, name)
-        page_bytes = sum(layout["run_bytes"])  # type: ignore[arg-type]
+        run_bytes: list[int] = layout["run_bytes"]  # type: ignore[assignment]
+        page_bytes = sum(run_bytes)
         tiers = scoped_tier_configs(self._tier_configs, _rank_scope(self.storage_config, name))
         store = TierStore.from_tier_configs(
             tiers, max_block_bytes=page_bytes, layout=layout, timeout_s=self.timeout_s
@@ -217,7 +218,7 @@ class TieringHiCacheStorage(HiCacheStorage):
             name,
             layout["host_layout"],
             page_bytes,
-            len(layout["run_bytes"]),  # type: ignore[arg-type]
+            len(run_bytes),
             [t.name for t in store.tiers],
         )
         return opened
