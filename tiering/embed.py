@@ -487,7 +487,10 @@ class TierStore:
             for tier in self.tiers:
                 if not tier.is_open:
                     continue
-                job = tier.start_put(keys, staging)
+                # A batch larger than a tier: it keeps the leading blocks (a prefix is what a
+                # later lookup can use), rather than refusing them all.
+                n = len(keys) if tier.shared else min(len(keys), tier.capacity_blocks)
+                job = tier.start_put(keys[:n], staging[:n]) if n else None
                 if job is not None:
                     op.submit(job)
             # Keys a tier held already (not rewritten) are stored too.
@@ -543,6 +546,7 @@ class TierStore:
 
         def finish(op: _Op, job: TierJob, result: object) -> None:
             promoted = job.tier.finish_promotion(job, result)
+            job.tier.touch(promoted.loaded)  # a read is a use: recency for the tier's policy
             loaded = set(promoted.loaded)
             for key, row in zip(job.keys, job.slots, strict=True):
                 if key in loaded:
