@@ -20,8 +20,8 @@ import torch
 
 from tiering.backends.base import Outcome
 from tiering.backends.block_format import (
-    HEADER_BYTES,
     FRAME_BYTES,
+    HEADER_BYTES,
     make_layout_fingerprint,
     read_frame,
     write_frame,
