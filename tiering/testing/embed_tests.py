@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiering.backends.block_format import FRAME_BYTES
 from tiering.embed import EmbedError, TierStore
@@ -27,8 +27,8 @@ __all__ = ["EmbedTests"]
 class EmbedTests:
     """Mixed into ``BackendTests``: runs and lengths through the embedder facade."""
 
-    persistent: bool
-    block_bytes: int
+    persistent: ClassVar[bool]
+    block_bytes: ClassVar[int]
 
     if TYPE_CHECKING:
 
