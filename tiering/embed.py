@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
-
-import numpy as np
+from typing import Any
 
 from tiering.backends.base import Outcome
 from tiering.backends.block_format import (
@@ -51,11 +48,10 @@ from tiering.backends.block_format import (
     FRAMING,
     frame_capacity,
     make_layout_fingerprint,
-    read_frame,
-    write_frame,
 )
 from tiering.errors import CorruptBlockError, InvalidKeyError, TieringError
 from tiering.io_loop import IOLoop
+from tiering.memory_runs import Block, EmbedError, Run, StagingRows, as_runs, gather, scatter
 from tiering.shared_tier import SharedTier
 from tiering.tier import IOResult, SecondaryTier, TierJob, TierKeyState
 
@@ -71,81 +67,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: One run of a block: (address, length), (tensor, length) or (buffer, length).
-Run: TypeAlias = tuple[Any, int]
-#: A block: one buffer, or a list of runs.
-Block: TypeAlias = Any
-
 _READY, _UNKNOWN = TierKeyState.READY, TierKeyState.UNKNOWN
-
-
-class EmbedError(TieringError):
-    """A call on a :class:`TierStore` was given something it cannot use (a bad key, block or
-    run); nothing was stored or read."""
-
-
-def _tensor_view(tensor: Any, length: int, writable: bool, where: str) -> memoryview:
-    """A byte view of the first ``length`` bytes of a contiguous CPU torch tensor."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise EmbedError(
-            f"{where}: a tensor must be contiguous and on the CPU, got {tensor.device}"
-        )
-    nbytes = tensor.numel() * tensor.element_size()
-    if length > nbytes:
-        raise EmbedError(f"{where}: length {length} is over the tensor's {nbytes} bytes")
-    return _address_view(tensor.data_ptr(), length)
-
-
-def _address_view(address: int, length: int) -> memoryview:
-    if length == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
-
-
-def _buffer_view(buf: Any, writable: bool, where: str) -> memoryview:
-    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # a torch tensor
-        return _tensor_view(buf, buf.numel() * buf.element_size(), writable, where)
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise EmbedError(
-            f"{where}: {type(buf).__name__} is not a buffer; give bytes-like memory, a numpy "
-            "array, a CPU torch tensor or a list of (address or tensor, length) runs"
-        ) from None
-    if not view.c_contiguous:
-        raise EmbedError(f"{where}: the buffer is not contiguous")
-    if writable and view.readonly:
-        raise EmbedError(f"{where}: the buffer is read-only; a get needs writable memory")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def as_runs(block: Block, *, writable: bool, where: str = "block") -> list[memoryview]:
-    """The byte views of ``block``: one buffer, or a list of (address/tensor/buffer, length)
-    runs. Raises :class:`EmbedError` for anything else."""
-    if not isinstance(block, list | tuple):
-        return [_buffer_view(block, writable, where)]
-    runs: list[memoryview] = []
-    for i, run in enumerate(block):
-        at = f"{where} run {i}"
-        if not isinstance(run, tuple | list) or len(run) != 2:
-            raise EmbedError(
-                f"{at}: a run is (address or tensor or buffer, length), got {run!r:.60}"
-            )
-        target, length = run
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise EmbedError(f"{at}: length must be an int >= 0, got {length!r:.40}")
-        if isinstance(target, int) and not isinstance(target, bool):
-            if target <= 0:
-                raise EmbedError(f"{at}: address {target} is not a valid pointer")
-            runs.append(_address_view(target, length))
-        elif hasattr(target, "data_ptr") and hasattr(target, "element_size"):
-            runs.append(_tensor_view(target, length, writable, at))
-        else:
-            view = _buffer_view(target, writable, at)
-            if length > view.nbytes:
-                raise EmbedError(f"{at}: length {length} is over the buffer's {view.nbytes} bytes")
-            runs.append(view[:length])
-    return runs
 
 
 def framed_layout(layout: Mapping[str, object], max_block_bytes: int) -> tuple[dict[str, Any], int]:
@@ -262,6 +184,7 @@ class TierStore:
         self._lock = threading.RLock()
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self.stats = EmbedStats()
+        self._staging = StagingRows(self.slot_bytes)
         self._open = False
         self._closed = False
 
@@ -380,49 +303,7 @@ class TierStore:
 
     async def _contains(self, keys: list[bytes], *, prefix: bool = False) -> list[bool]:
         self._check_usable()
-        found = [False] * len(keys)
-        with self._lock:
-            asks: list[tuple[SharedTier, list[bytes]]] = []
-            for i, key in enumerate(keys):
-                unknown_in: list[SharedTier] = []
-                for tier in self.tiers:
-                    state = tier.state(key)
-                    if state is _READY:
-                        found[i] = True
-                        break
-                    if state is _UNKNOWN and isinstance(tier, SharedTier):
-                        unknown_in.append(tier)
-                if not found[i] and unknown_in:
-                    for tier in unknown_in:
-                        self._add_ask(asks, tier, key)
-                elif not found[i] and prefix:
-                    break  # the prefix ends here: later keys do not matter
-            jobs = [j for t, ks in asks if (j := t.start_check(ks)) is not None]
-        if jobs:
-            results = await asyncio.gather(*(j.io for j in jobs), return_exceptions=True)
-            with self._lock:
-                for job, result in zip(jobs, results, strict=True):
-                    assert isinstance(job.tier, SharedTier)
-                    job.tier.finish_check(job, result)
-                for i, key in enumerate(keys):
-                    if not found[i]:
-                        found[i] = any(t.state(key) is _READY for t in self.tiers)
-        with self._lock:
-            for key, hit in zip(keys, found, strict=True):
-                if hit:
-                    for tier in self.tiers:
-                        if tier.state(key) is _READY:
-                            tier.count_lookup_hit()
-                            break
-        return found
-
-    @staticmethod
-    def _add_ask(asks: list[tuple[SharedTier, list[bytes]]], tier: SharedTier, key: bytes) -> None:
-        for t, ks in asks:
-            if t is tier:
-                ks.append(key)
-                return
-        asks.append((tier, [key]))
+        return await _find_stored(self.tiers, self._lock, keys, prefix=prefix)
 
     # -- put ------------------------------------------------------------------------------------
 
@@ -430,13 +311,13 @@ class TierStore:
         """Store ``blocks[i]`` under ``keys[i]`` in every tier; True where a tier holds it now.
         Raises :class:`EmbedError` / ``InvalidKeyError`` for bad input, storing nothing."""
         keys, staging, lengths = self._stage_put(keys, blocks)
-        op, results = self._start_put(keys, staging, lengths)
+        op, results = self._start_put(keys, staging)
         self._wait(op.done, "put", self.timeout_s, None)
         return self._put_result(results, op.done.done(), lengths)
 
     async def aput(self, keys: Sequence[bytes], blocks: Sequence[Block]) -> list[bool]:
         keys, staging, lengths = self._stage_put(keys, blocks)
-        op, results = self._start_put(keys, staging, lengths)
+        op, results = self._start_put(keys, staging)
         await self._await(op.done, "put", None)
         return self._put_result(results, op.done.done(), lengths)
 
@@ -455,21 +336,13 @@ class TierStore:
                     f"block {i} is {length} bytes; these tiers hold blocks of at most "
                     f"{self.max_block_bytes} bytes"
                 )
-        staging = np.empty((len(keys), self.slot_bytes), dtype=np.uint8)
-        views = []
-        for i, runs in enumerate(all_runs):
-            slot = memoryview(staging[i])
-            at = 0
-            for run in runs:
-                slot[at : at + run.nbytes] = run
-                at += run.nbytes
-            write_frame(slot, at)
-            views.append(slot)
-        return keys, views, lengths
+        staging = self._staging.take(len(keys))
+        for runs, row in zip(all_runs, staging, strict=True):
+            gather(runs, row)
+        return keys, staging, lengths
 
-    def _start_put(
-        self, keys: list[bytes], staging: list[memoryview], lengths: list[int]
-    ) -> tuple[_Op, list[bool]]:
+    def _start_put(self, keys: list[bytes], rows: list[memoryview]) -> tuple[_Op, list[bool]]:
+        staging = rows
         stored = [False] * len(keys)
 
         def finish(op: _Op, job: TierJob, result: object) -> None:
@@ -499,6 +372,8 @@ class TierStore:
                     stored[i] = True
             op.seal()
             self.stats.puts += 1
+        # The rows go back once every job of the call ended (a call that gave up included).
+        op.done.add_done_callback(lambda _: self._staging.give(rows))
         return op, stored
 
     def _put_result(self, stored: list[bool], finished: bool, lengths: list[int]) -> list[bool]:
@@ -534,14 +409,14 @@ class TierStore:
 
     def _start_get(
         self, keys: Sequence[bytes], blocks: Sequence[Block]
-    ) -> tuple[list[bytes], list[list[memoryview]], _Op, Any, dict[bytes, int]]:
+    ) -> tuple[list[bytes], list[list[memoryview]], _Op, list[memoryview], dict[bytes, int]]:
         self._check_usable()
         keys = _check_keys(keys)
         if len(blocks) != len(keys):
             raise EmbedError(f"get got {len(keys)} keys but {len(blocks)} blocks")
         targets = [as_runs(b, writable=True, where=f"block {i}") for i, b in enumerate(blocks)]
         unique = list(dict.fromkeys(keys))
-        staging = np.empty((len(unique), self.slot_bytes), dtype=np.uint8)
+        staging = self._staging.take(len(unique))
         chosen: dict[bytes, int] = {}  # key -> its staging row, for keys whose read succeeded
 
         def finish(op: _Op, job: TierJob, result: object) -> None:
@@ -565,7 +440,7 @@ class TierStore:
             for t, rows in by_tier.items():
                 tier = self.tiers[t]
                 job = tier.start_promotion(
-                    [unique[r] for r in rows], rows, buffers=[memoryview(staging[r]) for r in rows]
+                    [unique[r] for r in rows], rows, buffers=[staging[r] for r in rows]
                 )
                 op.submit(job)
             op.seal()
@@ -577,38 +452,30 @@ class TierStore:
         keys: list[bytes],
         targets: list[list[memoryview]],
         op: _Op,
-        staging: Any,
+        staging: list[memoryview],
         chosen: dict[bytes, int],
         exact: bool,
     ) -> list[int | None]:
         out: list[int | None] = [None] * len(keys)
-        if op.done.done():
+        if not op.done.done():  # gave up: the rows go back when the reads end, unscattered
+            op.done.add_done_callback(lambda _: self._staging.give(staging))
+        else:
             with self._lock:
                 rows = dict(chosen)
             for i, (key, runs) in enumerate(zip(keys, targets, strict=True)):
                 row = rows.get(key)
                 if row is None:
                     continue
-                slot = memoryview(staging[row])
                 try:
-                    length = read_frame(slot)
+                    length = scatter(staging[row], runs, exact=exact)
                 except CorruptBlockError:
                     # Verified by the tier, so only a writer outside this framing gets here.
                     logger.warning("block %s: bad frame; treated as a miss", key.hex())
                     with self._lock:
                         self.stats.corrupt += 1
                     continue
-                room = sum(r.nbytes for r in runs)
-                if length > room or (exact and length != room):
-                    continue  # the caller's memory does not fit it: a miss, nothing written
-                at = 0
-                for run in runs:
-                    take = min(run.nbytes, length - at)
-                    if take <= 0:
-                        break
-                    run[:take] = slot[at : at + take]
-                    at += take
-                out[i] = length
+                out[i] = length  # None: the caller's memory does not fit it, nothing written
+            self._staging.give(staging)
         hits = [n for n in out if n is not None]
         with self._lock:
             self.stats.get_hits += len(hits)
@@ -673,3 +540,45 @@ class TierStore:
                 self.stats.timeouts += 1
             logger.warning("TierStore.a%s timed out after %.1f s", what, self.timeout_s)
             return default
+
+
+async def _find_stored(
+    tiers: Sequence[SecondaryTier], lock: threading.RLock, keys: list[bytes], *, prefix: bool
+) -> list[bool]:
+    """Whether a tier holds each key, readable now (``prefix``: only up to the first miss).
+    Shared tiers are asked about keys their existence cache does not know (one check job per
+    tier); the indexes are read under ``lock``, never across the checks' I/O."""
+    found = [False] * len(keys)
+    with lock:
+        asks: dict[int, tuple[SharedTier, list[bytes]]] = {}
+        for i, key in enumerate(keys):
+            unknown_in: list[SharedTier] = []
+            for tier in tiers:
+                state = tier.state(key)
+                if state is _READY:
+                    found[i] = True
+                    tier.count_lookup_hit()
+                    break
+                if state is _UNKNOWN and isinstance(tier, SharedTier):
+                    unknown_in.append(tier)
+            if found[i]:
+                continue
+            for tier in unknown_in:
+                asks.setdefault(id(tier), (tier, []))[1].append(key)
+            if not unknown_in and prefix:
+                break  # the prefix ends here: later keys do not matter
+        jobs = [j for t, ks in asks.values() if (j := t.start_check(ks)) is not None]
+    if not jobs:
+        return found
+    results = await asyncio.gather(*(j.io for j in jobs), return_exceptions=True)
+    with lock:
+        for job, result in zip(jobs, results, strict=True):
+            assert isinstance(job.tier, SharedTier)
+            job.tier.finish_check(job, result)
+        for i, key in enumerate(keys):
+            if not found[i]:
+                holder = next((t for t in tiers if t.state(key) is _READY), None)
+                if holder is not None:
+                    found[i] = True
+                    holder.count_lookup_hit()
+    return found
