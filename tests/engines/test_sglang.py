@@ -250,3 +250,17 @@ def test_bad_extra_config_is_refused_by_name(tmp_path: Path) -> None:
     config = _config(tmp_path, bogus=1)
     with pytest.raises(ConfigError, match="bogus"):
         StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_calls_after_close_are_misses_not_exceptions(tmp_path: Path) -> None:
+    """SGLang's controller threads may still call while a detach closes the backend."""
+    pool = MHAHostPool("page_first", page_size=PAGE)
+    backend = _backend(_config(tmp_path), {"kv": pool})
+    keys = _hashes(2)
+    assert backend.batch_set_v1(keys, _indices([0, 1])) == [True, True]
+    backend.close()
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, _indices([2, 3])) == [False, False]
+    assert backend.batch_set_v1(keys, _indices([2, 3])) == [False, False]
+    assert backend.get(keys[0], pool.get_dummy_flat_data_page()) is None
+    assert backend.set(keys[0], pool.get_dummy_flat_data_page()) is False

@@ -155,23 +155,31 @@ class TieringConnector(RemoteConnector):
     # -- existence ------------------------------------------------------------------------------
 
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await self.store.aexists([self._key(key)]) == 1
+        return await self.batched_async_contains("", [key]) == 1
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self.store.exists([self._key(key)]) == 1
+        return self.batched_contains([key]) == 1
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
         """How many leading chunks are stored. ``pin`` is not supported: a chunk counted here
         may be evicted before its read (the read is then a miss, never wrong bytes)."""
-        return await self.store.aexists([self._key(k) for k in keys])
+        try:
+            return await self.store.aexists([self._key(k) for k in keys])
+        except TieringError:  # closed under the caller: nothing is found
+            logger.debug("tiering connector: contains failed", exc_info=True)
+            return 0
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
-        return self.store.exists([self._key(k) for k in keys])
+        try:
+            return self.store.exists([self._key(k) for k in keys])
+        except TieringError:
+            logger.debug("tiering connector: contains failed", exc_info=True)
+            return 0
 
     # -- get ------------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from tiering.embed import Run, TierStore
-from tiering.errors import ConfigError
+from tiering.errors import ConfigError, TieringError
 from tiering.integrations.engine_config import scoped_tier_configs, tier_configs_from_extra
 
 __all__ = ["TieringHiCacheStorage", "page_runs", "pool_layout"]
@@ -144,14 +145,30 @@ class _PoolStore:
     def read(self, page_hashes: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         if not page_hashes:
             return []
-        blocks = self.runs(host_indices, len(page_hashes))
-        lengths = self.store.get(self.keys(page_hashes), blocks, exact=True)
+        try:
+            blocks = self.runs(host_indices, len(page_hashes))
+            lengths = self.store.get(self.keys(page_hashes), blocks, exact=True)
+        except (TieringError, ValueError):  # never an exception into SGLang's threads: misses
+            logger.exception("tiering HiCache storage: reading pool %r failed", self.name)
+            return [False] * len(page_hashes)
         return [n == self.page_bytes for n in lengths]
 
     def write(self, page_hashes: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         if not page_hashes:
             return []
-        return self.store.put(self.keys(page_hashes), self.runs(host_indices, len(page_hashes)))
+        try:
+            blocks = self.runs(host_indices, len(page_hashes))
+            return self.store.put(self.keys(page_hashes), blocks)
+        except (TieringError, ValueError):
+            logger.exception("tiering HiCache storage: writing pool %r failed", self.name)
+            return [False] * len(page_hashes)
+
+    def exists(self, page_hashes: Sequence[str]) -> int:
+        try:
+            return self.store.exists(self.keys(page_hashes))
+        except TieringError:  # closed under the caller (a detach): nothing is found
+            logger.debug("tiering HiCache storage: exists on pool %r failed", self.name)
+            return 0
 
 
 class TieringHiCacheStorage(HiCacheStorage):
@@ -175,6 +192,7 @@ class TieringHiCacheStorage(HiCacheStorage):
             )
         self._host_pools: dict[str, Any] = {}
         self._stores: dict[str, _PoolStore] = {}
+        self._opening = threading.Lock()  # controller threads may race to open a pool
         self._closed = False
 
     # -- pools ----------------------------------------------------------------------------------
@@ -188,13 +206,12 @@ class TieringHiCacheStorage(HiCacheStorage):
         name = str(host_pool_name)
         self._host_pools[name] = host_pool
         if self._stores and name not in self._stores:  # a sidecar registered after the burst
-            self._open_pool(name)
+            self._store(name)
 
     def on_host_pools_registered(self) -> None:
         """Open one store per registered pool (raising fails SGLang's attach)."""
         for name in self._host_pools:
-            if name not in self._stores:
-                self._open_pool(name)
+            self._store(name)
 
     def _open_pool(self, name: str) -> _PoolStore:
         pool = self._host_pools.get(name)
@@ -225,10 +242,14 @@ class TieringHiCacheStorage(HiCacheStorage):
 
     def _store(self, name: str = _KV) -> _PoolStore:
         store = self._stores.get(name)
-        if store is None:
-            if self._closed:
-                raise ConfigError("the tiering HiCache storage is closed")
-            store = self._open_pool(name)  # used before on_host_pools_registered (v0 callers)
+        if store is not None:
+            return store
+        with self._opening:  # used before on_host_pools_registered (v0 callers), or a sidecar
+            store = self._stores.get(name)
+            if store is None:
+                if self._closed:
+                    raise ConfigError("the tiering HiCache storage is closed")
+                store = self._open_pool(name)
         return store
 
     # -- v1: zero-copy pages of the host pool ---------------------------------------------------
@@ -237,10 +258,9 @@ class TieringHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading pages are stored."""
-        if not keys:
+        if not keys or self._closed:
             return 0
-        kv = self._store()
-        return kv.store.exists(kv.keys(keys))
+        return self._store().exists(keys)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -251,6 +271,8 @@ class TieringHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
+        if self._closed:
+            return [False] * len(keys)
         return self._store().read(keys, host_indices)
 
     def batch_set_v1(
@@ -259,6 +281,8 @@ class TieringHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
+        if self._closed:
+            return [False] * len(keys)
         if not self.storage_config.is_storage_writer:  # another rank writes this replica
             return [True] * len(keys)
         return self._store().write(keys, host_indices)
@@ -268,10 +292,16 @@ class TieringHiCacheStorage(HiCacheStorage):
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
+        if self._closed:
+            return None
         kv = self._store()
         if target_location is None:
             target_location = kv.pool.get_dummy_flat_data_page()
-        [length] = kv.store.get([kv.key(key)], [target_location], exact=True)
+        try:
+            [length] = kv.store.get([kv.key(key)], [target_location], exact=True)
+        except TieringError:
+            logger.exception("tiering HiCache storage: get failed")
+            return None
         return target_location if length is not None else None
 
     def batch_get(
@@ -280,10 +310,16 @@ class TieringHiCacheStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None] | int:
+        if self._closed:
+            return [None] * len(keys)
         kv = self._store()
         if target_locations is None:
             target_locations = [kv.pool.get_dummy_flat_data_page() for _ in keys]
-        lengths = kv.store.get(kv.keys(keys), list(target_locations), exact=True)
+        try:
+            lengths = kv.store.get(kv.keys(keys), list(target_locations), exact=True)
+        except TieringError:
+            logger.exception("tiering HiCache storage: batch_get failed")
+            return [None] * len(keys)
         return [
             t if n is not None else None for t, n in zip(target_locations, lengths, strict=True)
         ]
@@ -295,12 +331,7 @@ class TieringHiCacheStorage(HiCacheStorage):
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        if value is None:
-            return False
-        if not self.storage_config.is_storage_writer:
-            return True
-        kv = self._store()
-        return kv.store.put([kv.key(key)], [value.contiguous()])[0]
+        return self.batch_set([key], None if value is None else [value])
 
     def batch_set(
         self,
@@ -309,12 +340,16 @@ class TieringHiCacheStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        if values is None or len(values) != len(keys):
+        if values is None or len(values) != len(keys) or self._closed:
             return False
         if not self.storage_config.is_storage_writer:
             return True
         kv = self._store()
-        return all(kv.store.put(kv.keys(keys), [v.contiguous() for v in values]))
+        try:
+            return all(kv.store.put(kv.keys(keys), [v.contiguous() for v in values]))
+        except TieringError:
+            logger.exception("tiering HiCache storage: batch_set failed")
+            return False
 
     # -- v2: hybrid models, one store per pool --------------------------------------------------
 
@@ -334,7 +369,7 @@ class TieringHiCacheStorage(HiCacheStorage):
                 break
             name = str(transfer.name)
             pool = self._store(name)
-            present = pool.store.contains(pool.keys(keys[:kv_pages]))
+            present = pool.store.contains(pool.keys(keys[:kv_pages])) if kv_pages else []
             policy = transfer.hit_policy
             if policy == PoolHitPolicy.ALL_PAGES:
                 boundary = present.index(False) if False in present else kv_pages
@@ -389,7 +424,7 @@ class TieringHiCacheStorage(HiCacheStorage):
                     results[name] = pool.write(keys, transfer.host_indices)
                 else:
                     results[name] = pool.read(keys, transfer.host_indices)
-            except ValueError:
+            except (TieringError, ValueError):
                 logger.exception("tiering HiCache storage: pool %r transfer refused", name)
                 results[name] = [False] * len(keys)
         return results
@@ -409,7 +444,8 @@ class TieringHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Close every store (SGLang calls it on detach or a failed attach)."""
-        self._closed = True
-        stores, self._stores = self._stores, {}
+        with self._opening:
+            self._closed = True
+            stores, self._stores = self._stores, {}
         for pool in stores.values():
             pool.store.close()
