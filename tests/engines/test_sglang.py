@@ -24,6 +24,9 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from engines.sglang_pools import MambaHostPool, MHAHostPool, MLASplitHostPool
 from tiering.errors import ConfigError
 from tiering.integrations.sglang import TieringHiCacheStorage
+from tiering.testing.redis_servers import RedisServer
+
+pytest_plugins = ["redis_fixtures"]  # the real-server fixtures (tests/redis_fixtures.py)
 
 PAGE = 4
 
@@ -264,3 +267,31 @@ def test_calls_after_close_are_misses_not_exceptions(tmp_path: Path) -> None:
     assert backend.batch_set_v1(keys, _indices([2, 3])) == [False, False]
     assert backend.get(keys[0], pool.get_dummy_flat_data_page()) is None
     assert backend.set(keys[0], pool.get_dummy_flat_data_page()) is False
+
+
+def test_ranks_sharing_one_redis_store_never_read_each_others_pages(
+    tmp_path: Path, redis_standalone: RedisServer
+) -> None:
+    """One Redis holds every rank's pages under the same page hashes: kept apart (the Redis
+    backend namespaces by layout fingerprint, the adapter's keys carry it too, and the header's
+    fingerprint is verified on read), each rank reads back its own bytes."""
+    redis_tier = [
+        {"name": "redis", "type": "redis", "url": redis_standalone.url, "capacity": "64MiB"}
+    ]
+    keys = _hashes(2)
+    pools = [MHAHostPool("page_first", page_size=PAGE) for _ in range(2)]
+    _fill(pools[0], 7)
+    _fill(pools[1], 8)
+    ranks = [
+        _backend(_config(tmp_path, tp_rank=r, tp_size=2, tiers=redis_tier), {"kv": pools[r]})
+        for r in range(2)
+    ]
+    expected = [[p.page_bytes(i * PAGE) for i in (0, 1)] for p in pools]
+    assert ranks[0].batch_set_v1(keys, _indices([0, 1])) == [True, True]
+    assert ranks[1].batch_exists(keys) == 0
+    assert ranks[1].batch_set_v1(keys, _indices([0, 1])) == [True, True]
+    for rank, pool, want in zip(ranks, pools, expected, strict=True):
+        _zero(pool)
+        assert rank.batch_get_v1(keys, _indices([4, 5])) == [True, True]
+        assert [pool.page_bytes(p * PAGE) for p in (4, 5)] == want
+        rank.close()
