@@ -45,6 +45,15 @@ class Loop:
         self.thread.join(10)
 
 
+@pytest.fixture(autouse=True)
+def _prometheus_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache's metrics logger sets PROMETHEUS_MULTIPROC_DIR (to /tmp/lmcache_prometheus) when
+    it is unset: give it the test's directory, and unset it again afterwards, so that later
+    tests (tiering's own exporter) see the environment as it was."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prometheus"))
+    (tmp_path / "prometheus").mkdir()
+
+
 @pytest.fixture
 def loop() -> Iterator[Loop]:
     lp = Loop()
