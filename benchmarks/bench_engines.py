@@ -29,6 +29,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import os
 import statistics
 import tempfile
 import threading
@@ -264,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         args.blocks, args.reps = 64, 1
     logging.disable(logging.WARNING)  # LMCache logs every connector it builds
+    # LMCache's metrics logger would otherwise pick /tmp/lmcache_prometheus for its files.
+    prometheus = tempfile.TemporaryDirectory(prefix="bench-engines-prometheus-")
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", prometheus.name)
     torch.set_num_threads(1)
     gc.freeze()
     rows: list[tuple[str, Callable[[Path], tuple[float, float]]]] = [
