@@ -49,6 +49,7 @@ from tiering.backends.block_format import (
     frame_capacity,
     make_layout_fingerprint,
 )
+from tiering.config import TierConfig, build_tier
 from tiering.errors import CorruptBlockError, InvalidKeyError, TieringError
 from tiering.io_loop import IOLoop
 from tiering.memory_runs import Block, EmbedError, Run, StagingRows, as_runs, gather, scatter
@@ -193,7 +194,7 @@ class TierStore:
     @classmethod
     def from_tier_configs(
         cls,
-        tier_configs: Sequence[Any],
+        tier_configs: Sequence[TierConfig],
         *,
         max_block_bytes: int,
         layout: Mapping[str, object],
@@ -202,8 +203,6 @@ class TierStore:
         """Build (not open) framed tiers from :class:`~tiering.config.TierConfig` entries, for
         blocks of up to ``max_block_bytes`` whose meaning ``layout`` describes (JSON-able: model,
         ranks, dtype, geometry): it is the tiers' layout fingerprint."""
-        from tiering.config import build_tier  # config imports much; only builders need it
-
         if isinstance(max_block_bytes, bool) or not isinstance(max_block_bytes, int):
             raise EmbedError(f"max_block_bytes must be an int, got {max_block_bytes!r:.40}")
         if max_block_bytes <= 0:
