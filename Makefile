@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed
 # The real vLLM for the adapter tests: --no-deps (it pins another torch), plus the packages its
 # offloading modules import, pinned in one file. pip caches the 336 MB wheel.
 VLLM_REQUIREMENTS := requirements/vllm-test.txt
+# The real SGLang and LMCache for the engine-adapter tests, the same way (tests/engines).
+ENGINES_REQUIREMENTS := requirements/engines-test.txt
 
 .PHONY: install test lint typecheck pytest demo bench clean gpu-wheels gpu-check
 
@@ -15,11 +17,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml $(VLLM_REQUIREMENTS)
-	@echo "make install: installing torch, tiering, the dev tools and vLLM (tests only, --no-deps) into $(VENV) (a few minutes the first time)"
+$(STAMP): $(PY) pyproject.toml $(VLLM_REQUIREMENTS) $(ENGINES_REQUIREMENTS)
+	@echo "make install: installing torch, tiering, the dev tools vLLM, SGLang and LMCache (tests only, --no-deps) into $(VENV) (a few minutes the first time)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps -r $(VLLM_REQUIREMENTS)
+	$(PY) -m pip install -q --no-deps -r $(ENGINES_REQUIREMENTS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,9 +34,10 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# REQUIRE_VLLM_TESTS: the adapter tests fail (not skip) if vLLM is missing from the venv.
+# REQUIRE_VLLM_TESTS / REQUIRE_ENGINE_TESTS: the adapter tests fail (not skip) if vLLM / SGLang or
+# LMCache is missing from the venv.
 pytest: install
-	REQUIRE_VLLM_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	REQUIRE_VLLM_TESTS=1 REQUIRE_ENGINE_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

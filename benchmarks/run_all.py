@@ -68,6 +68,16 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "bench_engines",
+        "Engine adapters against raw tier calls",
+        "Puts and warm gets of 512 KiB blocks on a file tier through tiering.embed.TierStore, "
+        "SGLang 0.5.23's HiCache storage (page_first: 2 runs per page; layer_first: 16) and "
+        "LMCache 0.5.6's remote connector, against the file backend's own put/get of the same "
+        "slots (what framing, staging copies, the index and each engine's calling convention "
+        "cost).",
+        (),
+    ),
+    (
         "bench_metadata",
         "Manager metadata per operation, 1e3 to 1e6 blocks",
         "Microseconds per stored block (eviction included) and per lookup, and their growth "

@@ -338,6 +338,28 @@ class SharedTier(SecondaryTier):
         self.metrics.store_jobs += 1
         return self._write_job("store", send, [slots[k] for k in send], (), req_context)
 
+    def start_put(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview], *, req_context: object = None
+    ) -> TierJob | None:
+        """An embedder's put (see :meth:`SecondaryTier.start_put`), with ``put_if_absent``: keys
+        the cache says the store holds, or this tier is writing, are not sent."""
+        if self.status != "open":
+            return None
+        if len(buffers) != len(keys):
+            raise ValueError(f"start_put got {len(keys)} keys but {len(buffers)} buffers")
+        known, writing = self._known, self._writing
+        index = {k: i for i, k in enumerate(keys)}
+        send = [k for k in index if k not in writing and known.get(k) is not True]
+        self.metrics.writes_skipped_cached += len(index) - len(send)
+        if not send:
+            return None
+        writing.update(send)
+        self.metrics.store_jobs += 1
+        picked = [index[k] for k in send]
+        return self._write_job(
+            "put", send, picked, (), req_context, buffers=[buffers[i] for i in picked]
+        )
+
     async def _put(self, keys: list[bytes], buffers: list[memoryview]) -> list[Outcome]:
         return await self.backend.put_if_absent(keys, buffers)
 
@@ -365,12 +387,17 @@ class SharedTier(SecondaryTier):
     # -- promotions -------------------------------------------------------------------------------
 
     def start_promotion(
-        self, keys: Sequence[bytes], slots: Sequence[int], *, req_context: object = None
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        *,
+        req_context: object = None,
+        buffers: Sequence[memoryview] | None = None,
     ) -> TierJob:
-        """Read ``keys`` into the primary slots reserved for them."""
+        """Read ``keys`` into the primary slots reserved for them (or into ``buffers``)."""
         self.metrics.promotions += 1
         self.inflight_jobs += 1
-        buffers = tuple(self._row(slot) for slot in slots)
+        buffers = tuple(self._row(s) for s in slots) if buffers is None else tuple(buffers)
         return TierJob(
             "promote",
             self,

@@ -386,6 +386,33 @@ class SecondaryTier:
                 return None
         return self._start_write("store", keys, slots, req_context)
 
+    def start_put(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview], *, req_context: object = None
+    ) -> TierJob | None:
+        """Write caller-owned ``buffers[i]`` under ``keys[i]`` (an embedder's put, see
+        :mod:`tiering.embed`): room is reserved as for a store, evicting by policy, whatever the
+        write policy, and it is never shed over the job bound (its caller waits for it). Keys
+        the tier holds already are touched, not rewritten. None if there is nothing to write,
+        or no room (counted as shed). The buffers must stay valid until the job is finished."""
+        if self._policy is None:
+            return None
+        if len(buffers) != len(keys):
+            raise ValueError(f"start_put got {len(keys)} keys but {len(buffers)} buffers")
+        reserved = self._reserve(keys)
+        if reserved is None:
+            self.metrics.stores_shed += len(keys)
+            return None
+        to_write, victims = reserved
+        self._policy.touch([k for k in keys if k not in set(to_write)])
+        if not to_write:
+            return None
+        index = {k: i for i, k in enumerate(keys)}
+        picked = [index[k] for k in to_write]
+        self.metrics.store_jobs += 1
+        return self._write_job(
+            "put", to_write, picked, victims, req_context, buffers=[buffers[i] for i in picked]
+        )
+
     def start_write_back(
         self, slots: Mapping[bytes, int], *, req_context: object = None
     ) -> TierJob | None:
@@ -425,8 +452,10 @@ class SecondaryTier:
         req_context: object,
         *,
         retried: bool = False,
+        buffers: Sequence[memoryview] | None = None,
     ) -> TierJob:
-        buffers = tuple(self._row(slot) for slot in slots)
+        """``buffers``: the memory to write (default: the primary rows at ``slots``)."""
+        buffers = tuple(self._row(s) for s in slots) if buffers is None else tuple(buffers)
         self.inflight_jobs += 1
         return TierJob(
             kind,
@@ -500,6 +529,7 @@ class SecondaryTier:
             victims,
             job.req_context,
             retried=True,
+            buffers=[job.buffers[i] for i in full],
         )
         return StoreResult(stored, pairs, retry)
 
@@ -522,10 +552,15 @@ class SecondaryTier:
     # -- promotions -------------------------------------------------------------------------------
 
     def start_promotion(
-        self, keys: Sequence[bytes], slots: Sequence[int], *, req_context: object = None
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        *,
+        req_context: object = None,
+        buffers: Sequence[memoryview] | None = None,
     ) -> TierJob:
-        """Read READY ``keys`` into the primary slots reserved for them; they stay pinned here
-        until :meth:`finish_promotion`."""
+        """Read READY ``keys`` into the primary slots reserved for them (or into ``buffers``, an
+        embedder's memory); they stay pinned here until :meth:`finish_promotion`."""
         for key in keys:
             count = self._reading.get(key, 0)
             if count == 0:
@@ -533,7 +568,7 @@ class SecondaryTier:
             self._reading[key] = count + 1
         self.metrics.promotions += 1
         self.inflight_jobs += 1
-        buffers = tuple(self._row(slot) for slot in slots)
+        buffers = tuple(self._row(s) for s in slots) if buffers is None else tuple(buffers)
         return TierJob(
             "promote",
             self,

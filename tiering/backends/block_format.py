@@ -19,6 +19,24 @@ Header, version 1, little-endian, ``HEADER_BYTES`` long::
 xxh3 is not a cryptographic MAC: it detects corruption, not forgery. Keys themselves are
 SHA-256 chained hashes (see ``tiering.hashing``), and the header repeats the full key, so a block
 read for key A that holds key B's bytes is rejected.
+
+Variable-length blocks (framing ``FRAMING``). A tier's blocks all occupy ``block_bytes`` (its
+slot). An embedder (:mod:`tiering.embed`) stores blocks *up to* ``block_bytes - FRAME_BYTES``
+long: the payload, zeros, then a 16-byte frame trailer at the slot's end::
+
+    offset from the slot's end   size field
+    -16                          4    magic b"TKVF"
+    -12                          2    framing version (1)
+    -10                          2    reserved, zero
+    -8                           8    the block's true length in bytes
+
+The trailer is inside the payload the header's checksum covers, so the length is verified with
+the bytes: a read returns the true length or the block is corrupt. Whether a tier's blocks are
+framed is part of its layout description (``"block_framing": FRAMING``), hence of its
+fingerprint: a tier written without framing (the vLLM pool's rows) and a framed one never read
+each other's blocks (the backend refuses the other layout's directory, or the block's
+fingerprint does not verify). Header version 1 is unchanged, so every existing tier stays
+readable by what wrote it.
 """
 
 from __future__ import annotations
@@ -35,12 +53,17 @@ from tiering.errors import CorruptBlockError, InvalidKeyError
 
 __all__ = [
     "FORMAT_VERSION",
+    "FRAME_BYTES",
+    "FRAMING",
     "HEADER_BYTES",
     "MAGIC",
     "MAX_KEY_BYTES",
     "BlockHeader",
     "checksum",
     "checksum_in_parts",
+    "frame_capacity",
+    "read_frame",
+    "write_frame",
     "make_layout_fingerprint",
     "pack_header",
     "unpack_header",
@@ -57,6 +80,12 @@ _HEADER_CHECKSUM = struct.Struct("<Q")
 _KEY_OFFSET = _FIXED.size + _HEADER_CHECKSUM.size
 HEADER_BYTES = _KEY_OFFSET + MAX_KEY_BYTES  # 128
 _PARSE = struct.Struct(_FIXED.format + "Q")  # _FIXED, then the header checksum
+
+FRAMING = "tkvf-1"  # the layout description's "block_framing" for framed tiers
+_FRAME_MAGIC = b"TKVF"
+_FRAME_VERSION = 1
+_FRAME = struct.Struct("<4sHHQ")  # magic, framing version, reserved, true length
+FRAME_BYTES = _FRAME.size  # 16
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -149,3 +178,35 @@ def verify_block(
         payload_checksum = checksum(payload)
     if payload_checksum != header.payload_checksum:
         raise CorruptBlockError("payload checksum mismatch")
+
+
+def frame_capacity(slot_bytes: int) -> int:
+    """The longest block a framed slot of ``slot_bytes`` holds."""
+    return slot_bytes - FRAME_BYTES
+
+
+def write_frame(slot: memoryview, length: int) -> None:
+    """Frame the first ``length`` bytes of ``slot`` (a writable, flat byte view of the whole
+    slot): zero what lies between them and the trailer, then write the trailer."""
+    capacity = frame_capacity(slot.nbytes)
+    if not 0 <= length <= capacity:
+        raise ValueError(f"a block of {length} bytes does not fit a slot of {capacity} bytes")
+    slot[length:capacity] = bytes(capacity - length)
+    _FRAME.pack_into(slot, capacity, _FRAME_MAGIC, _FRAME_VERSION, 0, length)
+
+
+def read_frame(slot: bytes | bytearray | memoryview) -> int:
+    """The true length of the framed block in ``slot`` (a verified payload); raises
+    CorruptBlockError if the trailer is not a valid frame."""
+    view = memoryview(slot)
+    capacity = frame_capacity(view.nbytes)
+    if capacity < 0:
+        raise CorruptBlockError(f"a slot of {view.nbytes} bytes holds no frame")
+    magic, version, reserved, length = _FRAME.unpack_from(view, capacity)
+    if magic != _FRAME_MAGIC:
+        raise CorruptBlockError(f"bad frame magic {magic!r}, expected {_FRAME_MAGIC!r}")
+    if version != _FRAME_VERSION or reserved:
+        raise CorruptBlockError(f"framing version {version}, this build reads {_FRAME_VERSION}")
+    if length > capacity:
+        raise CorruptBlockError(f"framed length {length} is over the slot's {capacity} bytes")
+    return int(length)

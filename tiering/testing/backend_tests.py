@@ -45,8 +45,11 @@ any two of its turns the loop runs at most half of the call's CPU time; see
 :mod:`tiering.testing.loop_use`). The optional operations, whether a backend overrides them or
 not: ``exists`` (as ``contains`` on a healthy store) and ``put_if_absent`` (a block already
 stored is left as it is and counted in ``stats.extra["put_skipped_present"]``; racing calls
-leave one intact value). For a shared backend (``capabilities.shared``): two instances on one
-store see each other's writes and deletes at once.
+leave one intact value). Through the embedders' facade (:mod:`tiering.testing.embed_tests`):
+blocks given as runs of memory and of mixed lengths shorter than the slot round-trip bit-exact
+and with their lengths, through a restart; a block too long for the slot or for the caller's
+memory is refused or a miss, writing nothing. For a shared backend (``capabilities.shared``):
+two instances on one store see each other's writes and deletes at once.
 
 Hooks a subclass may override: :meth:`capacity_bytes_for` (how much ``capacity_bytes`` gives
 room for ``n`` blocks; the default adds 8 KiB per block), :meth:`expected_usage_bytes` (exact
@@ -71,6 +74,7 @@ import pytest
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.errors import BackendError, InvalidKeyError
 from tiering.keys import make_offload_key
+from tiering.testing.embed_tests import EmbedTests
 from tiering.testing.loop_use import measure_loop_use
 
 __all__ = ["BackendTests"]
@@ -78,8 +82,10 @@ __all__ = ["BackendTests"]
 OK, MISSING, CORRUPT, FULL = Outcome.OK, Outcome.MISSING, Outcome.CORRUPT, Outcome.FULL
 
 
-class BackendTests:
-    """The shared conformance tests; subclass it and implement :meth:`make_backend`."""
+class BackendTests(EmbedTests):
+    """The shared conformance tests; subclass it and implement :meth:`make_backend`. The
+    embedder tests (runs and lengths through :class:`tiering.embed.TierStore`) come from
+    :class:`~tiering.testing.embed_tests.EmbedTests`."""
 
     #: Whether the backend keeps its blocks across close/open (enables the restart tests).
     persistent: ClassVar[bool] = True
