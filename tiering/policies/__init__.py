@@ -1,4 +1,4 @@
-"""Eviction policies for the primary tier: the interface, LRU, ARC and lookup by name."""
+"""Eviction policies for the primary tier: the interface, LRU, ARC, SLRU and lookup by name."""
 
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
@@ -9,11 +9,13 @@ from tiering.policies.registry import (
     make_policy,
     register_policy,
 )
+from tiering.policies.slru import SLRUPolicy
 
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
+    "SLRUPolicy",
     "available_policies",
     "get_policy_class",
     "make_policy",

@@ -68,9 +68,10 @@ class StudyTrace:
 
 
 def study_trace_from_blocks(requests: Sequence[BlockRequest], block_tokens: int) -> StudyTrace:
-    """Keys of a block trace: ids chained along each prompt (:class:`PrefixTrie`)."""
+    """Keys of a block trace: ids chained along each prompt (:class:`PrefixTrie`). A prompt's
+    partial last block is dropped: an engine hashes, stores and reuses full blocks only."""
     trie = PrefixTrie()
-    node_lists = [trie.keys(r.block_ids) for r in requests]
+    node_lists = [trie.keys(r.block_ids[: r.input_tokens // block_tokens]) for r in requests]
     names = [i.to_bytes(8, "little") for i in range(len(trie))]
     return StudyTrace(
         [[names[n] for n in nodes] for nodes in node_lists],

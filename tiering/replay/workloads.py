@@ -37,13 +37,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tiering.config import WORKLOAD_TRACES
 from tiering.errors import ConfigurationError
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
 __all__ = ["WORKLOAD_TRACES", "WorkloadMix", "generate", "workload_trace"]
 
-#: The built-in realistic traces (``--trace`` names).
-WORKLOAD_TRACES = ("conversation", "toolagent", "documents", "production")
 
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
 _REQUESTS_PER_HOUR = 12_000
