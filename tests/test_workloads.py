@@ -1,4 +1,5 @@
-"""Mooncake traces, realistic generated traces, the policy study, SLRU and the admission gate."""
+"""Mooncake traces, realistic generated traces, the policy study, the hybrid policy and the
+admission gate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from tiering.cli import main as cli_main
 from tiering.hashing import PrefixHasher
-from tiering.policies import SLRUPolicy, available_policies
+from tiering.policies import HybridPolicy, available_policies
 from tiering.policies.admission import FrequencyGate
 from tiering.replay import load_trace
 from tiering.replay.block_trace import (
@@ -98,7 +99,7 @@ def test_study_of_the_sample_counts_hits_by_hand() -> None:
     trace = study_trace_from_blocks(read_mooncake(SAMPLE), 512)
     # Partial last blocks are dropped: 3 + 3 + 2 + 1 + 1 + 4 references, 7 distinct prefixes.
     assert trace.block_accesses == 14 and trace.unique_blocks == 7
-    rows = run_study(trace, [7, 2], ["lru", "slru"])
+    rows = run_study(trace, [7, 2], ["lru", "hybrid"])
     big = {r["policy"]: r for r in rows if r["capacity_blocks"] == 7}
     for row in big.values():
         assert row["block_hit_ratio"] == row["prefix_hit_ratio"] == 0.5
@@ -169,44 +170,57 @@ def test_generated_trace_names_are_checked() -> None:
 
 def test_policies_stay_under_belady_on_the_production_trace() -> None:
     trace = study_trace_from_blocks(workload_trace("production", "tiny", seed=0), 512)
-    rows = run_study(trace, [100, 1000], ["lru", "arc", "slru"])
+    rows = run_study(trace, [100, 1000], ["lru", "arc", "hybrid"])
     for capacity in (100, 1000):
         by = {r["policy"]: r for r in rows if r["capacity_blocks"] == capacity}
-        for name in ("lru", "arc", "slru"):
+        for name in ("lru", "arc", "hybrid"):
             assert by[name]["block_hit_ratio"] <= by["belady"]["block_hit_ratio"]
 
 
-# -- SLRU ---------------------------------------------------------------------------------------
+# -- hybrid ----------------------------------------------------------------------------------
 
 
-def test_slru_evicts_probation_while_it_holds_more_than_its_share() -> None:
-    slru = SLRUPolicy(10)  # probation's share: 6 keys
-    keys = fill(slru, 10)
-    slru.touch(keys[:3])  # reused: protected, keys[0] most recent; 7 in probation
-    assert slru.t2_keys == (keys[2], keys[1], keys[0]) and slru.t1_keys == tuple(keys[3:])
-    assert slru.evict(1) == [keys[3]]  # 7 > 6: probation's oldest, remembered as a ghost
-    assert slru.b1_keys == (keys[3],)
-    assert slru.evict(2) == [keys[2], keys[1]]  # 6 = share: protected's oldest, no ghost
-    assert slru.b1_keys == (keys[3],) and slru.b2_keys == ()
+def test_hybrid_takes_new_blocks_first_only_over_their_target() -> None:
+    hybrid = HybridPolicy(10)  # p starts at 5
+    keys = fill(hybrid, 4)
+    hybrid.touch([keys[3]])  # reused: T2
+    assert hybrid.t1_keys == tuple(keys[:3]) and hybrid.t2_keys == (keys[3],)
+    # |T1| = 3 <= p: the oldest of both lists, as LRU (ARC's rule would take T2's keys[3]).
+    assert hybrid.evict(1) == [keys[0]]
+    more = [k(10 + i) for i in range(6)]
+    hybrid.insert_many(more)  # T1: keys[1], keys[2], more: 8 > 5
+    assert hybrid.evict(3) == [keys[1], keys[2], more[0]]  # over target: T1's oldest
+    assert hybrid.evict(1) == [keys[3]]  # |T1| = 5: T2's keys[3] is older than more[1]
+    assert hybrid.b1_keys == (keys[0], keys[1], keys[2], more[0])
+    assert hybrid.b2_keys == (keys[3],)
 
 
-def test_slru_ghost_returns_to_protected() -> None:
-    slru = SLRUPolicy(4)
-    keys = fill(slru, 4)
-    victims = slru.evict(1)
-    assert victims == [keys[0]] and slru.b1_keys == (keys[0],)
-    slru.insert(keys[0])
-    assert keys[0] in slru.t2_keys and slru.b1_keys == ()
-    assert slru.b2_keys == ()
+def test_hybrid_ghosts_adapt_the_target_within_its_floor() -> None:
+    hybrid = HybridPolicy(10)
+    keys = fill(hybrid, 10)
+    assert hybrid.evict(2) == keys[:2]  # T1 over target
+    hybrid.insert(keys[0])  # a B1 ghost: reused, to T2; p grows
+    assert keys[0] in hybrid.t2_keys and hybrid.target_t1_size == 6.0
+    hybrid.touch(keys[2:8])
+    for _ in range(8):  # evict T2 keys and bring them back: B2 ghosts shrink p
+        (victim,) = hybrid.evict(1) or [b""]
+        hybrid.insert(victim)
+    assert hybrid.target_t1_size >= 2.0  # the floor: a fifth of the capacity
 
 
-def test_slru_ghosts_are_bounded_by_capacity() -> None:
-    slru = SLRUPolicy(3)
-    for i in range(20):
-        if len(slru) == 3:
-            slru.evict(1)
-        slru.insert(k(i))
-    assert len(slru.b1_keys) <= 3
+def test_hybrid_iterates_in_eviction_order() -> None:
+    hybrid = HybridPolicy(8)
+    keys = fill(hybrid, 8)
+    hybrid.touch([keys[5], keys[1]])
+    hybrid.evict(2)
+    hybrid.insert_many([k(20), k(21)])
+    hybrid.touch([k(20), keys[7]])
+    expected = list(hybrid)
+    taken = []
+    while len(hybrid):
+        (victim,) = hybrid.evict(1) or []
+        taken.append(victim)
+    assert taken == expected
 
 
 # -- admission gate -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Eviction policies for the primary tier: the interface, LRU, ARC, SLRU and lookup by name."""
+"""Eviction policies for the primary tier: the interface, LRU, ARC, hybrid LRU/ARC and lookup by name."""
 
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
 from tiering.policies.registry import (
     available_policies,
@@ -9,13 +10,12 @@ from tiering.policies.registry import (
     make_policy,
     register_policy,
 )
-from tiering.policies.slru import SLRUPolicy
 
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
+    "HybridPolicy",
     "LRUPolicy",
-    "SLRUPolicy",
     "available_policies",
     "get_policy_class",
     "make_policy",

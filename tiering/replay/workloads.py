@@ -47,6 +47,10 @@ __all__ = ["WORKLOAD_TRACES", "WorkloadMix", "generate", "workload_trace"]
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
 _REQUESTS_PER_HOUR = 12_000
 _NUM_TENANTS = 24
+# Documents: this share asks about a popular one (Zipf over the catalog), the rest upload one.
+_CATALOG_SHARE = 0.4
+_CATALOG_SIZE = 2_000
+_CATALOG_ALPHA = 0.9
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,17 @@ class _Generator:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.ids = _Ids()
-        self.out: list[tuple[float, int, int, tuple[int, ...]]] = []
+        self.out: list[tuple[float, int, int, tuple[int, ...], str]] = []
         rng = self.rng
         # Per tenant: a system prompt (conversations, documents) and a tool prompt (agents).
         self.system = [self._root(_lognormal(rng, 1_200, 0.6, 300, 6_000)) for _ in range(24)]
         self.tools = [self._root(_lognormal(rng, 7_000, 0.4, 3_000, 16_000)) for _ in range(24)]
         weights = [1.0 / (k + 1) ** 1.1 for k in range(_NUM_TENANTS)]
         self.tenant_weights = weights
+        # Popular documents (a tenant's manuals, a trending paper): a Zipf catalog, each a
+        # tenant's system prompt then the document, made when first asked about.
+        self.catalog_weights = [1.0 / (k + 1) ** _CATALOG_ALPHA for k in range(_CATALOG_SIZE)]
+        self.catalog: dict[int, _Context] = {}
 
     def _root(self, tokens: int) -> _Context:
         context = _Context([], 0)
@@ -133,8 +141,8 @@ class _Generator:
     def _tenant(self) -> int:
         return self.rng.choices(range(_NUM_TENANTS), self.tenant_weights)[0]
 
-    def _emit(self, at_s: float, context: _Context, output: int) -> None:
-        self.out.append((at_s, context.tokens, output, context.block_ids(self.ids)))
+    def _emit(self, at_s: float, context: _Context, output: int, kind: str) -> None:
+        self.out.append((at_s, context.tokens, output, context.block_ids(self.ids), kind))
 
     def conversation(self, start_s: float) -> None:
         rng, ids = self.rng, self.ids
@@ -147,7 +155,7 @@ class _Generator:
         turns = min(40, 1 + int(rng.expovariate(1 / 1.6)))
         for turn in range(turns):
             output = _lognormal(rng, 350, 0.7, 20, 2_000)
-            self._emit(at_s, context, output)
+            self._emit(at_s, context, output, "chat")
             if turn + 1 == turns:
                 break
             context.append(output + _lognormal(rng, 250, 1.0, 10, 4_000), ids)
@@ -161,23 +169,36 @@ class _Generator:
         steps = 2 + int(rng.expovariate(1 / 7.0))
         for step in range(min(steps, 60)):
             action = _lognormal(rng, 150, 0.6, 20, 1_000)
-            self._emit(at_s, context, action)
+            self._emit(at_s, context, action, "agent")
             if step + 1 == steps or context.tokens > 120_000:
                 break
             context.append(action + _lognormal(rng, 900, 1.0, 50, 8_000), ids)  # + observation
             at_s += _lognormal(rng, 4, 0.8, 0.5, 60)  # the tool runs
 
+    def _catalog_document(self) -> _Context:
+        rng = self.rng
+        index = rng.choices(range(_CATALOG_SIZE), self.catalog_weights)[0]
+        context = self.catalog.get(index)
+        if context is None:
+            context = self.system[self._tenant()].copy()
+            context.append(_lognormal(rng, 14_000, 0.6, 8_000, 64_000), self.ids)
+            self.catalog[index] = context
+        return context
+
     def document(self, start_s: float) -> None:
         rng, ids = self.rng, self.ids
-        context = self.system[self._tenant()].copy()
-        context.append(_lognormal(rng, 14_000, 0.6, 8_000, 64_000), ids)
+        if rng.random() < _CATALOG_SHARE:
+            context = self._catalog_document()
+        else:  # a one-off upload
+            context = self.system[self._tenant()].copy()
+            context.append(_lognormal(rng, 14_000, 0.6, 8_000, 64_000), ids)
         at_s = start_s
         asks = 1 + (rng.random() < 0.15) + (rng.random() < 0.05)
         for ask in range(asks):
             output = _lognormal(rng, 300, 0.6, 20, 1_500)
             question = context.copy()
             question.append(_lognormal(rng, 80, 0.8, 10, 800), ids)
-            self._emit(at_s, question, output)
+            self._emit(at_s, question, output, "doc")
             if ask + 1 < asks:
                 at_s += _lognormal(rng, 90, 1.0, 5, 1_200)
 
@@ -240,8 +261,8 @@ def generate(
         makers[gen.rng.choices(kinds, weights)[0]](start)
     kept = sorted((r for r in gen.out if r[0] < duration_s), key=lambda r: r[0])
     return [
-        BlockRequest(f"w{seed}-{i}", at_s, tokens, output, ids)
-        for i, (at_s, tokens, output, ids) in enumerate(kept)
+        BlockRequest(f"{kind}-s{seed}-{i}", at_s, tokens, output, ids)
+        for i, (at_s, tokens, output, ids, kind) in enumerate(kept)
     ]
 
 
