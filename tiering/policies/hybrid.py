@@ -82,12 +82,15 @@ class HybridPolicy(ARCPolicy):
 
     def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
         b1, b2 = self._b1, self._b2
-        if (b1 or b2) and any(key in b1 or key in b2 for key in keys):
+        if not (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
             for key in keys:  # ghosts go to T2: one clock for both lists, key by key
                 self.insert(key, evictable)
             return
-        self._t1.sync_clock(self._t2)
-        super().insert_new(keys, evictable)  # all to T1
+        t1 = self._t1
+        t1.sync_clock(self._t2)
+        if not t1.add_all(keys, evictable):  # no ghost: all to T1, as ARC would
+            raise KeyError("insert_new: a key was held already or listed twice")
+        self._trim_ghosts()  # once: the same ghosts as trimming after each key
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._t1.sync_clock(self._t2)
