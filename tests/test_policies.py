@@ -333,7 +333,9 @@ def test_builtin_policies_are_registered() -> None:
 
 
 def test_unknown_policy_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, hybrid, lru"):
+    with pytest.raises(
+        ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, hybrid, lru"
+    ):
         get_policy_class("lfu")
     with pytest.raises(ConfigurationError, match="must be a string"):
         get_policy_class(LRUPolicy)  # type: ignore[arg-type]

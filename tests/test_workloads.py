@@ -36,7 +36,14 @@ CONFIG = (
 
 def test_mooncake_sample_is_read_in_timestamp_order() -> None:
     requests = read_mooncake(SAMPLE)
-    assert [r.request_id for r in requests] == ["line1", "line2", "line3", "line7", "line5", "line6"]
+    assert [r.request_id for r in requests] == [
+        "line1",
+        "line2",
+        "line3",
+        "line7",
+        "line5",
+        "line6",
+    ]
     assert requests[3] == BlockRequest("line7", 2.2, 512, 0, (9,))
     assert requests[1].arrival_s == 1.0 and requests[1].output_tokens == 12
     assert is_mooncake_file(SAMPLE)
@@ -50,8 +57,11 @@ def test_mooncake_sample_is_read_in_timestamp_order() -> None:
         ('{"timestamp": 0, "input_length": 0, "hash_ids": [1]}', "input_length", "> 0"),
         ('{"timestamp": 0, "input_length": 5, "hash_ids": []}', "hash_ids", "non-empty"),
         ('{"timestamp": 0, "input_length": 5, "hash_ids": [1, "x"]}', "hash_ids[1]", "int"),
-        ('{"timestamp": 0, "input_length": 5, "output_length": 1.5, "hash_ids": [1]}',
-         "output_length", "int"),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1.5, "hash_ids": [1]}',
+            "output_length",
+            "int",
+        ),
     ],
 )
 def test_bad_mooncake_lines_name_file_line_and_field(

@@ -13,8 +13,8 @@ from tiering.errors import ConfigurationError
 from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
-from tiering.policies.lru import LRUPolicy
 from tiering.policies.hybrid import HybridPolicy
+from tiering.policies.lru import LRUPolicy
 
 __all__ = [
     "POLICY_ENTRY_POINT_GROUP",

@@ -203,7 +203,9 @@ class _Generator:
                 at_s += _lognormal(rng, 90, 1.0, 5, 1_200)
 
 
-def _session_starts(rng: random.Random, rate_per_s: float, duration_s: float, bursty: bool) -> list[float]:
+def _session_starts(
+    rng: random.Random, rate_per_s: float, duration_s: float, bursty: bool
+) -> list[float]:
     """Session start times: Poisson, or a two-state Markov-modulated Poisson process (bursts
     at three times the calm rate, ~2-minute bursts every ~8 minutes) of the same mean rate."""
     starts: list[float] = []
