@@ -72,7 +72,7 @@ _MIXES = {
 
 # Mean requests per session of each kind (measured on the generator, seeds 0-4): sets the rate
 # of session starts that gives the target request rate.
-_REQUESTS_PER_SESSION = {"conversation": 2.8, "agent": 8.5, "document": 1.2}
+_REQUESTS_PER_SESSION = {"conversation": 2.0, "agent": 8.2, "document": 1.19}
 
 
 class _Ids:
@@ -132,6 +132,7 @@ class _Generator:
         # tenant's system prompt then the document, made when first asked about.
         self.catalog_weights = [1.0 / (k + 1) ** _CATALOG_ALPHA for k in range(_CATALOG_SIZE)]
         self.catalog: dict[int, _Context] = {}
+        self.sessions = 0
 
     def _root(self, tokens: int) -> _Context:
         context = _Context([], 0)
@@ -142,7 +143,8 @@ class _Generator:
         return self.rng.choices(range(_NUM_TENANTS), self.tenant_weights)[0]
 
     def _emit(self, at_s: float, context: _Context, output: int, kind: str) -> None:
-        self.out.append((at_s, context.tokens, output, context.block_ids(self.ids), kind))
+        label = f"{kind}{self.sessions}"  # the session: request ids name it
+        self.out.append((at_s, context.tokens, output, context.block_ids(self.ids), label))
 
     def conversation(self, start_s: float) -> None:
         rng, ids = self.rng, self.ids
@@ -260,6 +262,7 @@ def generate(
         "document": gen.document,
     }
     for start in _session_starts(gen.rng, session_rate, duration_s, mix.bursty):
+        gen.sessions += 1
         makers[gen.rng.choices(kinds, weights)[0]](start)
     kept = sorted((r for r in gen.out if r[0] < duration_s), key=lambda r: r[0])
     return [
