@@ -249,3 +249,23 @@ def test_frequency_gate_admits_after_min_count_and_ages() -> None:
     assert gate.estimate(a) <= gate.estimate(a) and gate._since_aging == 0
     with pytest.raises(ValueError, match="min_count"):
         FrequencyGate(16, min_count=0)
+
+
+def test_hybrid_serves_the_cpu_tier_and_a_secondary_tier() -> None:
+    from tiering.config import build_manager, parse_config
+
+    config = parse_config(
+        {
+            "version": 1,
+            "primary": {"capacity": "4KiB", "policy": "hybrid"},
+            "secondary_tiers": [{"type": "memory", "capacity": "64KiB", "policy": "hybrid"}],
+        },
+        env={},
+    )
+    manager = build_manager(config, block_bytes=1024, fingerprint=bytes(16))
+    try:
+        manager.wait_ready()
+        assert isinstance(manager.primary.policy, HybridPolicy)
+        assert isinstance(manager.tiers[0].policy, HybridPolicy)
+    finally:
+        manager.shutdown()

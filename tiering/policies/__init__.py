@@ -1,4 +1,4 @@
-"""Eviction policies for the primary tier: the interface, LRU, ARC, hybrid LRU/ARC and lookup by name."""
+"""Eviction policies: the interface, LRU, ARC, hybrid LRU/ARC and lookup by name."""
 
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy

@@ -113,9 +113,10 @@ class HybridPolicy(ARCPolicy):
                 to_b1 += t1.take(min(n, t1.size - math.floor(p)), guard)
             left = n - len(to_b1)
             while left:
-                first, second = _older_first(t1, t2)
-                if first is None:
+                pair = _older_first(t1, t2)
+                if pair is None:
                     break
+                first, second = pair
                 got = first.take(1, guard)
                 if not got:  # nothing evictable left there: the rest from the other list
                     got = second.take(left, guard)
@@ -142,14 +143,12 @@ class HybridPolicy(ARCPolicy):
         return to_b1 + to_b2
 
 
-def _older_first(
-    t1: RecencyOrder, t2: RecencyOrder
-) -> tuple[RecencyOrder, RecencyOrder] | tuple[None, None]:
-    """The list whose oldest key is older (T1 on a tie), then the other; (None, None) if both
-    are empty."""
+def _older_first(t1: RecencyOrder, t2: RecencyOrder) -> tuple[RecencyOrder, RecencyOrder] | None:
+    """The list whose oldest key is older (T1 on a tie), then the other; None if both are
+    empty."""
     s1, s2 = t1.oldest_stamp(), t2.oldest_stamp()
     if s1 < 0 and s2 < 0:
-        return None, None
+        return None
     if s2 < 0 or 0 <= s1 <= s2:
         return t1, t2
     return t2, t1

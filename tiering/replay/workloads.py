@@ -27,7 +27,7 @@ Built-in names (``--trace``): ``conversation``, ``toolagent``, ``documents`` (ea
 Poisson arrivals) and ``production`` (the three mixed, bursty arrivals). Scale ``demo`` is one
 hour at 12,000 requests per hour (the Mooncake conversation trace's rate); ``tiny`` a tenth,
 ``large`` five times. Deterministic for a seed. Their statistics, next to the published ones,
-are in docs/replay.md ("Realistic traces").
+are in docs/workloads.md ("Realistic generated traces").
 """
 
 from __future__ import annotations
