@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiering.cli import main as cli_main
+from tiering.errors import InvalidKeyError
 from tiering.hashing import PrefixHasher
 from tiering.policies import HybridPolicy, available_policies
 from tiering.policies.admission import FrequencyGate
@@ -216,6 +217,17 @@ def test_hybrid_ghosts_adapt_the_target_within_its_floor() -> None:
         (victim,) = hybrid.evict(1) or [b""]
         hybrid.insert(victim)
     assert hybrid.target_t1_size >= 2.0  # the floor: a fifth of the capacity
+
+
+def test_hybrid_refresh_is_recency_without_a_use() -> None:
+    hybrid = HybridPolicy(10)
+    keys = fill(hybrid, 4)
+    hybrid.touch([keys[3]])  # T2
+    hybrid.refresh([keys[0], k(99), keys[3]])  # absent keys ignored; each stays in its list
+    assert hybrid.t1_keys == (keys[1], keys[2], keys[0]) and hybrid.t2_keys == (keys[3],)
+    assert hybrid.evict(2) == [keys[1], keys[2]]  # |T1| <= p: the oldest of both lists
+    with pytest.raises(InvalidKeyError):
+        hybrid.refresh(keys[0])
 
 
 def test_hybrid_iterates_in_eviction_order() -> None:

@@ -43,7 +43,7 @@ from collections.abc import Collection, Iterator, Sequence
 from operator import itemgetter
 from typing import ClassVar
 
-from tiering.policies._checks import check_evict_count, protected_set
+from tiering.policies._checks import check_evict_count, check_touch_keys, protected_set
 from tiering.policies._order import RecencyOrder
 from tiering.policies.arc import ARCPolicy
 
@@ -95,6 +95,17 @@ class HybridPolicy(ARCPolicy):
     def touch(self, keys: Sequence[bytes]) -> None:
         self._t1.sync_clock(self._t2)
         super().touch(keys)
+
+    def refresh(self, keys: Sequence[bytes]) -> None:
+        """Make ``keys`` recent without counting a use (a request's own new blocks): each
+        stays in its list, as its most recent, ``keys[0]`` last. Absent keys are ignored."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        t1, t2 = self._t1, self._t2
+        t1.sync_clock(t2)
+        t1.touch_all(keys)
+        t2.sync_clock(t1)
+        t2.touch_all(keys)
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
