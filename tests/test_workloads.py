@@ -281,3 +281,20 @@ def test_hybrid_serves_the_cpu_tier_and_a_secondary_tier() -> None:
         assert isinstance(manager.tiers[0].policy, HybridPolicy)
     finally:
         manager.shutdown()
+
+
+def test_admission_gate_keeps_one_hit_blocks_off_a_tier() -> None:
+    from tiering.replay.study import StudyTrace, TierModel
+
+    # Request r reads a shared root, then blocks seen once (one-off) or twice.
+    keys = [[b"root", b"once-%d" % r] for r in range(40)] + [[b"root", b"twice"]] * 3
+    trace = StudyTrace(keys, [1024] * len(keys), 512)
+    tier = TierModel("nvme", 100, admission_min_count=2, block_bytes=10)
+    (row,) = run_study(trace, [1], ["lru"], tiers=[tier], block_bytes=10, belady=False)
+    nvme = row["tiers"]["nvme"]
+    # Without the gate every CPU miss is written (root once, 40 one-offs, twice once).
+    assert nvme["bytes_written_without_admission"] == (1 + 40 + 1) * 10
+    # With it, only blocks looked up twice: the root and "twice" (at their second lookup).
+    assert nvme["bytes_written"] == 2 * 10
+    assert nvme["served_blocks"] > 0
+    assert nvme["bytes_written_per_hit"] < nvme["bytes_written_per_hit_without_admission"]
