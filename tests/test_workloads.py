@@ -298,3 +298,15 @@ def test_admission_gate_keeps_one_hit_blocks_off_a_tier() -> None:
     assert nvme["bytes_written"] == 2 * 10
     assert nvme["served_blocks"] > 0
     assert nvme["bytes_written_per_hit"] < nvme["bytes_written_per_hit_without_admission"]
+
+
+def test_selective_tier_is_gated_and_compared_with_write_through() -> None:
+    from tiering.replay.study import StudyTrace, TierModel
+
+    keys = [[b"root", b"once-%d" % r] for r in range(10)]
+    trace = StudyTrace(keys, [1024] * len(keys), 512)
+    tier = TierModel("nvme", 100, write_policy="write_through_selective", block_bytes=1)
+    (row,) = run_study(trace, [1], ["lru"], tiers=[tier], block_bytes=1, belady=False)
+    nvme = row["tiers"]["nvme"]
+    assert nvme["bytes_written"] == 1  # the root, at its second lookup
+    assert nvme["bytes_written_without_admission"] == 1 + 10

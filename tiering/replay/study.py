@@ -20,9 +20,10 @@ Secondary tiers. With a config, each secondary tier is modelled with its own pol
 the tiers in order (a hit there is served, *promoted*, and not written again); a block no tier
 served is written to each ``write_through`` tier that does not hold it, to each
 ``write_through_selective`` tier once it was looked up ``selective_min_lookups`` times, and to
-each ``write_back`` tier when the CPU evicts it. A tier's ``admission`` gate
-(:mod:`tiering.policies.admission`) is applied as configured, and the study reports the bytes
-written per served block with and without it.
+each ``write_back`` tier when the CPU evicts it. Admission: a selective tier's
+``selective_min_lookups`` is its gate, and ``admission_min_count`` adds a count-min sketch
+(:mod:`tiering.policies.admission`) to a tier; the study reports the bytes written per served
+block with the gates and without them (every gated tier written through).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def _simulate_tiers(
             gate = gates[t]
             if tier.write_policy == "write_back":
                 offered = cpu.victims[r] if cpu.victims else []
-            elif tier.write_policy == "write_through_selective":
+            elif tier.write_policy == "write_through_selective" and gated:
                 offered = [k for k in computed if lookups[k] >= tier.selective_min_lookups]
             else:
                 offered = computed
@@ -269,7 +270,9 @@ def _tier_columns(
     trace: StudyTrace, cpu: _CpuRun, tiers: Sequence[TierModel], block_bytes: int
 ) -> dict[str, Any]:
     served, counts = _simulate_tiers(trace, cpu, tiers, gated=True)
-    gated = any(t.admission_min_count > 0 for t in tiers)
+    gated = any(
+        t.admission_min_count > 0 or t.write_policy == "write_through_selective" for t in tiers
+    )
     ungated = _simulate_tiers(trace, cpu, tiers, gated=False)[1] if gated else counts
     prefix = _prefix_hits(served, trace.key_lists)
     accesses = trace.block_accesses
