@@ -227,7 +227,7 @@ def test_hybrid_refresh_is_recency_without_a_use() -> None:
     assert hybrid.t1_keys == (keys[1], keys[2], keys[0]) and hybrid.t2_keys == (keys[3],)
     assert hybrid.evict(2) == [keys[1], keys[2]]  # |T1| <= p: the oldest of both lists
     with pytest.raises(InvalidKeyError):
-        hybrid.refresh(keys[0])
+        hybrid.refresh(keys[0])  # type: ignore[arg-type]
 
 
 def test_hybrid_iterates_in_eviction_order() -> None:
