@@ -379,7 +379,7 @@ BAD_INPUTS = [
     (
         "version: 1\nprimary:\n  capacity: 1GiB\nreplay:\n  trace: chats\n",
         r"tiering.yaml:5: replay.trace: 'chats' is neither a built-in trace \(chat, rag, agent, "
-        r"mixed\) nor a path to a .jsonl file",
+        r"mixed, conversation, toolagent, documents, production\) nor a path to a .jsonl file",
     ),
     (
         "version: 1\nprimary: 4GiB\n",

@@ -37,10 +37,20 @@ from tiering.testing.policy_tests import policy_key as k
 class TestRegisteredPolicies(PolicyTests):
     """The conformance suite, run on every registered policy."""
 
-    @pytest.fixture(params=available_policies())
+    @pytest.fixture(params=[name for name in available_policies() if name != "hybrid"])
     def policy_factory(self, request: pytest.FixtureRequest) -> PolicyFactory:
         name: str = request.param
         return lambda capacity: make_policy(name, capacity)
+
+
+class TestHybrid(PolicyTests):
+    """The conformance suite on hybrid: victims are not in recency order (new blocks first)."""
+
+    recency_ordered = False
+
+    @pytest.fixture
+    def policy_factory(self) -> PolicyFactory:
+        return lambda capacity: make_policy("hybrid", capacity)
 
 
 # -- ARC: exact behaviour -----------------------------------------------------------------
@@ -323,7 +333,9 @@ def test_builtin_policies_are_registered() -> None:
 
 
 def test_unknown_policy_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, lru"):
+    with pytest.raises(
+        ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, hybrid, lru"
+    ):
         get_policy_class("lfu")
     with pytest.raises(ConfigurationError, match="must be a string"):
         get_policy_class(LRUPolicy)  # type: ignore[arg-type]
@@ -364,7 +376,7 @@ def test_register_policy() -> None:
 def test_register_policy_rejects_bad_names(bad_name: object) -> None:
     with pytest.raises(ConfigurationError, match="policy name must be"):
         register_policy(bad_name, _FifoPolicy)  # type: ignore[arg-type]
-    assert set(available_policies()) == {"arc", "lru"}
+    assert set(available_policies()) == {"arc", "hybrid", "lru"}
 
 
 @pytest.mark.usefixtures("isolated_registry")
@@ -373,7 +385,7 @@ def test_register_policy_rejects_non_policies() -> None:
         register_policy("dict", dict)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="must be an EvictionPolicy subclass"):
         register_policy("lru2", LRUPolicy(2))  # type: ignore[arg-type]
-    assert set(available_policies()) == {"arc", "lru"}
+    assert set(available_policies()) == {"arc", "hybrid", "lru"}
 
 
 # -- state machines against reference models ----------------------------------------------

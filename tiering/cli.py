@@ -8,6 +8,7 @@ Subcommands (each sets ``func(args) -> int``, the exit status)::
     tiering doctor [--config FILE]   what this machine supports (OK / WARN / FAIL per check)
     tiering wipe --config FILE       delete tiering's own files from each tier's directory
     tiering replay ...               (added by :mod:`tiering.replay` when it is installed)
+    tiering policy-study ...         (likewise)
     tiering --version
 
 Errors are reported at this boundary: a bad config or any :class:`~tiering.errors.TieringError`
@@ -837,9 +838,10 @@ def _add_replay(subparsers: Any) -> None:
     except Exception as exc:  # a broken replay module must not break the other subcommands
         error = exc
     else:
-        configure = getattr(replay_mod, "configure_parser", None)
-        if callable(configure):
-            configure(subparsers)
+        for name in ("configure_parser", "configure_study_parser"):  # replay, policy-study
+            configure = getattr(replay_mod, name, None)
+            if callable(configure):
+                configure(subparsers)
         return
     message = f"replay is unavailable: {type(error).__name__}: {error}"
 

@@ -77,6 +77,7 @@ from tiering.transfer import CopyBackend
 
 __all__ = [
     "BUILTIN_TRACES",
+    "WORKLOAD_TRACES",
     "CONFIG_VERSION",
     "ENV_PREFIX",
     "IGNORED_ENV_VARS",
@@ -117,6 +118,8 @@ IGNORED_ENV_VARS = frozenset({"TIERING_CONFIG"})
 # The replay section's vocabulary. The replay lab (tiering.replay) builds its traces from these
 # names; config reads them here so that checking a config never imports the lab.
 BUILTIN_TRACES = ("chat", "rag", "agent", "mixed")
+#: Realistic block-level traces (tiering.replay.workloads).
+WORKLOAD_TRACES = ("conversation", "toolagent", "documents", "production")
 SCALES = ("tiny", "demo", "large")
 
 
@@ -899,12 +902,13 @@ def _check_policy(ctx: _Context, name: str, path: str, section: object) -> None:
 
 def _parse_replay(ctx: _Context, data: _LineMap) -> ReplaySettings:
     replay: ReplaySettings = _parse_section(ctx, data, "replay")
-    if replay.trace in BUILTIN_TRACES:
+    if replay.trace in BUILTIN_TRACES or replay.trace in WORKLOAD_TRACES:
         return replay
     if not replay.trace.endswith(".jsonl"):
         raise ctx.error(
             "replay.trace",
-            f"{replay.trace!r} is neither a built-in trace ({', '.join(BUILTIN_TRACES)}) nor a "
+            f"{replay.trace!r} is neither a built-in trace "
+            f"({', '.join(BUILTIN_TRACES + WORKLOAD_TRACES)}) nor a "
             "path to a .jsonl file",
             _key_line(data.get("replay"), "trace"),
         )

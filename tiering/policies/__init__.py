@@ -1,7 +1,8 @@
-"""Eviction policies for the primary tier: the interface, LRU, ARC and lookup by name."""
+"""Eviction policies: the interface, LRU, ARC, hybrid LRU/ARC and lookup by name."""
 
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
 from tiering.policies.registry import (
     available_policies,
@@ -13,6 +14,7 @@ from tiering.policies.registry import (
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
+    "HybridPolicy",
     "LRUPolicy",
     "available_policies",
     "get_policy_class",

@@ -390,6 +390,25 @@ class RecencyOrder:
                 self._released -= stale
                 self._compact_if_stale()
 
+    def oldest_stamp(self) -> int:
+        """The stamp of the oldest key a victim search meets first (``-1`` if none): to
+        compare two orders whose stamps come from one clock (``sync_clock``)."""
+        heap, get = self._heap, self._main.get
+        while heap and (get(heap[0][1]) != ~heap[0][0] or heap[0][1] in self._rel):
+            _heappop(heap)  # stale, as take() would drop it
+        stamps = [heap[0][0]] if heap else []
+        if self._rel:
+            stamps.append(next(iter(self._rel.values())))
+        if self._main:
+            value = next(iter(self._main.values()))
+            stamps.append(value if value >= 0 else ~value)
+        return min(stamps) if stamps else -1
+
+    def sync_clock(self, other: RecencyOrder) -> None:
+        """Advance both orders' clocks to the later one: stamps given afterwards compare."""
+        clock = max(self._clock, other._clock)
+        self._clock = other._clock = clock
+
     # -- victim search ------------------------------------------------------------------------
 
     def take(self, n: int, protected: Container[bytes]) -> list[bytes]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from typing import ClassVar
 
 from tiering.policies._checks import (
     check_evict_count,
@@ -46,6 +47,11 @@ class ARCPolicy(EvictionPolicy):
 
     name = "arc"
 
+    #: ``p`` starts at this share of the capacity and never goes below ``_FLOOR_SHARE`` of it
+    #: (ARC: 0 and 0; a subclass may change them).
+    _INITIAL_SHARE: ClassVar[float] = 0.0
+    _FLOOR_SHARE: ClassVar[float] = 0.0
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._t1 = RecencyOrder()
@@ -53,7 +59,8 @@ class ARCPolicy(EvictionPolicy):
         self._t1.share_pins_with(self._t2)  # a pin marks a key of either list, unlooked-for
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
-        self._target_t1_size = 0.0
+        self._target_floor = self._FLOOR_SHARE * capacity
+        self._target_t1_size = self._INITIAL_SHARE * capacity
 
     # -- read-only views (tests, debugging) ---------------------------------------------------
 
@@ -117,7 +124,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2.add(key, evictable)
         elif key in b2:
             step = max(1.0, len(b1) / len(b2))
-            self._target_t1_size = max(self._target_t1_size - step, 0.0)
+            self._target_t1_size = max(self._target_t1_size - step, self._target_floor)
             del b2[key]
             self._t2.add(key, evictable)
         else:
@@ -154,7 +161,7 @@ class ARCPolicy(EvictionPolicy):
                 to_t2.append(key)
                 t2_size += 1
             elif key in b2:
-                p = max(p - max(1.0, b1_size / b2_size), 0.0)
+                p = max(p - max(1.0, b1_size / b2_size), self._target_floor)
                 del b2[key]
                 b2_size -= 1
                 to_t2.append(key)
@@ -263,7 +270,7 @@ class ARCPolicy(EvictionPolicy):
         self._t2.clear()
         self._b1.clear()
         self._b2.clear()
-        self._target_t1_size = 0.0
+        self._target_t1_size = self._INITIAL_SHARE * self.capacity
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Policy lookup by name: built-ins, registered classes, entry-point plugins and import paths.
 
 A policy name resolves in this order: names given to :func:`register_policy` (the built-ins
-``lru`` and ``arc`` among them); entry points of group ``tiering.policies`` of installed
+``lru``, ``arc`` and ``hybrid`` among them); entry points of group ``tiering.policies`` of installed
 distributions (value ``"module:Class"``), each imported only when its name is first used; a
 ``"module:Class"`` import path. :func:`check_policy_name` checks a name the same way without
 importing anything (the config layer checks a file with it).
@@ -13,6 +13,7 @@ from tiering.errors import ConfigurationError
 from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
 
 __all__ = [
@@ -125,3 +126,4 @@ def _qualname(cls: type) -> str:
 
 register_policy(LRUPolicy.name, LRUPolicy)
 register_policy(ARCPolicy.name, ARCPolicy)
+register_policy(HybridPolicy.name, HybridPolicy)

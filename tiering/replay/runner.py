@@ -43,10 +43,17 @@ from tiering.errors import ConfigError, TieringError
 from tiering.hashing import PrefixHasher
 from tiering.observability.service import Observability
 from tiering.policies import get_policy_class
-from tiering.replay.belady import simulate
+from tiering.replay.block_trace import (
+    DEFAULT_BLOCK_TOKENS,
+    is_mooncake_file,
+    read_mooncake,
+    to_requests,
+)
 from tiering.replay.progress import ProgressBar
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine
+from tiering.replay.study import policy_study
 from tiering.replay.traces import Request, builtin_trace, read_jsonl
+from tiering.replay.workloads import WORKLOAD_TRACES, workload_trace
 from tiering.transfer import TransferEngine
 
 __all__ = [
@@ -71,6 +78,7 @@ class ReplayOptions:
     overlap: bool = False
     progress: bool = True
     device: str = "cpu"  # where the simulated engine's KV caches live: "cpu" or "cuda[:N]"
+    block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per hash id of a Mooncake trace
 
 
 @dataclass(frozen=True)
@@ -83,12 +91,26 @@ class ReplayStep:
     observability: Observability  # the metrics endpoint and event publisher, when configured
 
 
-def load_trace(trace: str, scale: str, seed: int, base_dir: Path | None = None) -> list[Request]:
-    """A built-in trace by name, or a JSONL file (relative paths from ``base_dir``)."""
+def load_trace(
+    trace: str,
+    scale: str,
+    seed: int,
+    base_dir: Path | None = None,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[Request]:
+    """A built-in trace by name (token-level or realistic), or a JSONL file (relative paths
+    from ``base_dir``): tiering's own format or Mooncake's (detected by its ``hash_ids``; ids
+    of ``block_tokens`` tokens, expanded to tokens by
+    :func:`~tiering.replay.block_trace.to_requests`)."""
+    if trace in WORKLOAD_TRACES:
+        return list(to_requests(workload_trace(trace, scale, seed)))
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
+        if path.is_file() and is_mooncake_file(path):
+            return list(to_requests(read_mooncake(path), block_tokens))
         return list(read_jsonl(path))
     return builtin_trace(trace, scale=scale, seed=seed)
 
@@ -139,7 +161,9 @@ def run_replay(
     shape = config.model_shape()
     spec = shape.kv_cache_spec(config.hashing.hash_block_size, config.block_size_factor)
     base_dir = Path(config.source).parent if config.source else None
-    requests = load_trace(options.trace, options.scale, options.seed, base_dir)
+    requests = load_trace(
+        options.trace, options.scale, options.seed, base_dir, block_tokens=options.block_tokens
+    )
     if options.max_requests is not None:
         requests = requests[: options.max_requests]
 
@@ -340,38 +364,6 @@ def _report(
 # -- policy study ------------------------------------------------------------------------------
 
 
-def policy_study(
-    key_lists: Sequence[Sequence[bytes]],
-    capacities: Sequence[int],
-    policies: Sequence[str],
-    *,
-    progress: bool = False,
-) -> list[dict[str, Any]]:
-    """Block and usable-prefix hit ratios of each policy and of Belady's bound, per capacity.
-
-    A metadata-only simulation on the requests' hash-block keys (one group, one tier): each
-    request reads its blocks in prefix order, and every miss is inserted. ``progress`` draws a
-    bar on a terminal, one step per (capacity, policy) simulation.
-    """
-    rows = []
-    names = [*policies, "belady"]
-    with ProgressBar(len(capacities) * len(names), "policy study", enabled=progress) as bar:
-        for capacity in capacities:
-            for name in names:
-                policy: Any = name if name == "belady" else get_policy_class(name)
-                stats = simulate(policy, key_lists, capacity)
-                rows.append(
-                    {
-                        "policy": name,
-                        "capacity_blocks": capacity,
-                        "block_hit_ratio": round(stats.block_hit_ratio, 4),
-                        "prefix_hit_ratio": round(stats.prefix_hit_ratio, 4),
-                    }
-                )
-                bar.update()
-    return rows
-
-
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     try:
         import matplotlib
@@ -533,7 +525,17 @@ def configure_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, type=Path, help="the YAML config")
-    parser.add_argument("--trace", help="built-in trace (chat, rag, agent, mixed) or a .jsonl file")
+    parser.add_argument(
+        "--trace",
+        help="built-in trace (chat, rag, agent, mixed; realistic: conversation, toolagent, "
+        "documents, production) or a .jsonl file (tiering's format or Mooncake's)",
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per hash id of a Mooncake trace (default 512)",
+    )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="trace seed")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
@@ -596,6 +598,7 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         overlap=args.overlap,
         progress=not args.no_progress and not args.json,
         device=args.device,
+        block_tokens=args.block_tokens,
     )
 
 
@@ -679,7 +682,11 @@ def _main(args: argparse.Namespace) -> int:
     study: list[dict[str, Any]] = []
     if study_options is not None:
         requests = load_trace(
-            options.trace, options.scale, options.seed, Path(config.source).parent
+            options.trace,
+            options.scale,
+            options.seed,
+            Path(config.source).parent,
+            block_tokens=args.block_tokens,
         )
         if options.max_requests is not None:
             requests = requests[: options.max_requests]

@@ -204,10 +204,15 @@ class PolicyTests:
     # -- batch forms ------------------------------------------------------------------------
 
     def _history(self, policy: EvictionPolicy) -> list[bytes]:
-        """A policy with evictions, touches and a pin behind it (ARC: ghosts in B1 and B2)."""
+        """A policy with evictions, touches and a pin behind it (ARC: ghosts in B1 and B2).
+
+        Returns the three victims (LRU, ARC: the first three keys filled), then the held keys
+        in fill order; the first held one (LRU, ARC: ``keys[3]``) is pinned."""
         keys = fill(policy, 6)
         policy.touch([keys[4], keys[5]])
-        policy.evict(3)
+        victims = policy.evict(3)
+        assert victims is not None and len(victims) == 3
+        keys = [*victims, *(key for key in keys if key not in victims)]
         policy.set_evictable(keys[3], False)
         return keys
 
@@ -245,8 +250,9 @@ class PolicyTests:
     @pytest.mark.parametrize(
         ("batch", "error", "match"),
         [
-            ([policy_key(10), policy_key(4)], KeyError, "key-00004"),  # present
-            ([policy_key(10), policy_key(3)], KeyError, "key-00003"),  # present, pinned
+            # Ints are indexes into _history's keys (4: held; 3: held, pinned).
+            ([policy_key(10), 4], KeyError, 4),  # present
+            ([policy_key(10), 3], KeyError, 3),  # present, pinned
             ([policy_key(10), policy_key(11), policy_key(10)], KeyError, "key-00010"),  # twice
             ([policy_key(10), "key"], InvalidKeyError, "must be bytes"),
         ],
@@ -254,15 +260,18 @@ class PolicyTests:
     def test_insert_many_checks_every_key_before_inserting_any(
         self,
         policy_factory: PolicyFactory,
-        batch: list[bytes],
+        batch: list[object],
         error: type[Exception],
-        match: str,
+        match: str | int,
     ) -> None:
         policy, twin = policy_factory(6), policy_factory(6)
-        self._history(policy)
+        keys = self._history(policy)
         self._history(twin)
+        listed = [keys[item] if isinstance(item, int) else item for item in batch]
+        if isinstance(match, int):
+            match = keys[match].decode()
         with pytest.raises(error, match=match):
-            policy.insert_many(batch)
+            policy.insert_many(listed)  # type: ignore[arg-type]
         assert policy_state(policy) == policy_state(twin)
         assert evict_one_by_one(policy) == evict_one_by_one(twin)
 

@@ -1,0 +1,78 @@
+"""A frequency gate for writes into a secondary tier: keep one-hit blocks off flash.
+
+Every block a write-through tier is offered is written, so NVMe endurance is spent on blocks
+that never come back (a long one-off document, a conversation that ends). The gate admits a
+block only once it has been *looked up* (missed in the CPU tier) at least ``min_count`` times
+recently, the frequency TinyLFU estimates (Einziger et al., 2017):
+
+- a count-min sketch of 4 rows of ``width`` 8-bit counters (``width`` a power of two, at least
+  the tier's capacity in blocks times 8 is a good size); a key's estimate is its smallest
+  counter, never below its true count since the last aging;
+- aging: after ``10 * width`` records every counter is halved, so old popularity fades (O(width)
+  once per ``10 * width`` records: O(1) amortized per record).
+
+Memory: ``4 * width`` bytes. Keys are ``bytes`` (block hashes); their first 8 bytes, mixed by
+four odd multipliers, index the rows, so the gate is deterministic across processes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FrequencyGate"]
+
+_ROWS = 4
+_MULTIPLIERS = (
+    0x9E3779B97F4A7C15,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xD6E8FEB86659FD93,
+)
+_MASK64 = (1 << 64) - 1
+_MAX_COUNT = 255
+
+
+class FrequencyGate:
+    """Admits a key once its recent lookups reach ``min_count`` (see the module docstring)."""
+
+    __slots__ = ("_rows", "_shift", "_since_aging", "_aging_period", "min_count", "width")
+
+    def __init__(self, width: int, min_count: int = 2) -> None:
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be an int >= 1, got {width!r}")
+        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+            raise ValueError(f"min_count must be an int >= 1, got {min_count!r}")
+        bits = max(4, (width - 1).bit_length())
+        self.width = 1 << bits
+        self._shift = 64 - bits
+        self.min_count = min_count
+        self._rows = [bytearray(self.width) for _ in range(_ROWS)]
+        self._since_aging = 0
+        self._aging_period = 10 * self.width
+
+    def _slots(self, key: bytes) -> list[int]:
+        base = int.from_bytes(key[:8], "little") | 1
+        shift = self._shift
+        return [((base * m) & _MASK64) >> shift for m in _MULTIPLIERS]
+
+    def record(self, key: bytes) -> None:
+        """Count one lookup of ``key``."""
+        for row, slot in zip(self._rows, self._slots(key), strict=True):
+            if row[slot] < _MAX_COUNT:
+                row[slot] += 1
+        self._since_aging += 1
+        if self._since_aging >= self._aging_period:
+            self._age()
+
+    def estimate(self, key: bytes) -> int:
+        """Lookups of ``key`` since the last aging (halved by each aging), never fewer."""
+        return min(row[slot] for row, slot in zip(self._rows, self._slots(key), strict=True))
+
+    def admits(self, key: bytes) -> bool:
+        """Whether ``key`` has been looked up ``min_count`` times recently."""
+        return self.estimate(key) >= self.min_count
+
+    def _age(self) -> None:
+        self._rows = [bytearray(row.translate(_HALF)) for row in self._rows]  # one C pass
+        self._since_aging = 0
+
+
+_HALF = bytes(i >> 1 for i in range(256))

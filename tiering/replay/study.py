@@ -1,0 +1,321 @@
+"""The metadata-only what-if: eviction policies and Belady's bound on a trace, per CPU size.
+
+No data moves: each policy is driven the way the manager drives it, request by request, over
+the requests' block keys in prefix order:
+
+1. every key of the request is looked up: a held key is a *block hit*; the leading run of
+   held keys is the request's *prefix hit* (what an engine can skip: a block is useless after
+   the first missing one);
+2. ``touch(keys)`` (the manager's touch on a load: ``keys[0]`` ends most recent; absent keys
+   are ignored);
+3. the missing keys are stored: ``evict(shortfall, protected=set(keys))`` (unprotected if that
+   fails), then ``insert_new(missing)`` in prefix order. A request with more missing keys than
+   the tier holds stores them in chunks of the capacity, as demand paging would.
+
+Belady's MIN runs on the same accesses flattened (:mod:`tiering.replay.belady`): it bounds
+every policy's block hits (not their prefix hits).
+
+Secondary tiers. With a config, each secondary tier is modelled with its own policy, capacity
+(its byte budget over the study's block bytes) and write policy: a CPU miss is looked up in
+the tiers in order (a hit there is served, *promoted*, and not written again); a block no tier
+served is written to each ``write_through`` tier that does not hold it, to each
+``write_through_selective`` tier once it was looked up ``selective_min_lookups`` times, and to
+each ``write_back`` tier when the CPU evicts it. Admission: a selective tier's
+``selective_min_lookups`` is its gate, and ``admission_min_count`` adds a count-min sketch
+(:mod:`tiering.policies.admission`) to a tier; the study reports the bytes written per served
+block with the gates and without them (every gated tier written through).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiering.errors import TieringError
+from tiering.policies import get_policy_class
+from tiering.policies.admission import FrequencyGate
+from tiering.policies.base import EvictionPolicy
+from tiering.replay.belady import _belady_hit_flags
+from tiering.replay.block_trace import BlockRequest, PrefixTrie
+from tiering.replay.progress import ProgressBar
+
+__all__ = [
+    "StudyTrace",
+    "TierModel",
+    "policy_study",
+    "run_study",
+    "simulate_cpu",
+    "study_trace_from_blocks",
+]
+
+
+@dataclass(frozen=True)
+class StudyTrace:
+    """Per request, its block keys in prefix order and its prompt tokens; tokens per block."""
+
+    key_lists: list[list[bytes]]
+    input_tokens: list[int]
+    block_tokens: int
+
+    @property
+    def unique_blocks(self) -> int:
+        return len({k for keys in self.key_lists for k in keys})
+
+    @property
+    def block_accesses(self) -> int:
+        return sum(map(len, self.key_lists))
+
+
+def study_trace_from_blocks(requests: Sequence[BlockRequest], block_tokens: int) -> StudyTrace:
+    """Keys of a block trace: ids chained along each prompt (:class:`PrefixTrie`). A prompt's
+    partial last block is dropped: an engine hashes, stores and reuses full blocks only."""
+    trie = PrefixTrie()
+    node_lists = [trie.keys(r.block_ids[: r.input_tokens // block_tokens]) for r in requests]
+    names = [i.to_bytes(8, "little") for i in range(len(trie))]
+    return StudyTrace(
+        [[names[n] for n in nodes] for nodes in node_lists],
+        [r.input_tokens for r in requests],
+        block_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class TierModel:
+    """A secondary tier as the study models it."""
+
+    name: str
+    capacity_blocks: int
+    policy: str = "lru"
+    write_policy: str = "write_through"
+    selective_min_lookups: int = 2
+    admission_min_count: int = 0  # 0: no admission gate
+    block_bytes: int = 0
+
+
+@dataclass
+class _CpuRun:
+    flags: bytearray
+    victims: list[list[bytes]] = field(default_factory=list)  # per request, the CPU evicted
+
+
+def simulate_cpu(
+    policy: EvictionPolicy, key_lists: Sequence[Sequence[bytes]], *, record_victims: bool = False
+) -> _CpuRun:
+    """Drive ``policy`` (empty, its capacity the tier's) as the manager does; one hit flag
+    per access, and per request the keys evicted (``record_victims``)."""
+    capacity = policy.capacity
+    flags = bytearray(sum(map(len, key_lists)))
+    run = _CpuRun(flags)
+    if capacity == 0:
+        run.victims = [[] for _ in key_lists] if record_victims else []
+        return run
+    contains, touch = policy.__contains__, policy.touch
+    evict, insert_new = policy.evict, policy.insert_new
+    position = 0
+    for keys in key_lists:
+        missing: list[bytes] = []
+        for i, key in enumerate(keys):
+            if contains(key):
+                flags[position + i] = 1
+            else:
+                missing.append(key)
+        position += len(keys)
+        if len(missing) < len(keys):
+            touch(keys)
+        victims: list[bytes] = []
+        protected = set(keys)
+        for start in range(0, len(missing), capacity):
+            chunk = missing[start : start + capacity]
+            shortfall = len(policy) + len(chunk) - capacity
+            if shortfall > 0:
+                taken = evict(shortfall, protected)
+                if taken is None:
+                    taken = evict(shortfall)
+                if taken is None:
+                    raise TieringError(
+                        f"policy {type(policy).__name__} refused to evict {shortfall} of "
+                        f"{len(policy)} unpinned keys"
+                    )
+                victims += taken
+            insert_new(chunk)
+        if record_victims:
+            run.victims.append(victims)
+    return run
+
+
+def _prefix_hits(flags: bytearray, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
+    out = []
+    start = 0
+    for keys in key_lists:
+        end = start + len(keys)
+        try:
+            out.append(flags.index(0, start, end) - start)
+        except ValueError:
+            out.append(end - start)
+        start = end
+    return out
+
+
+def _tokens_saved(prefix: Sequence[int], trace: StudyTrace) -> int:
+    block = trace.block_tokens
+    return sum(
+        min(hits * block, tokens) for hits, tokens in zip(prefix, trace.input_tokens, strict=True)
+    )
+
+
+def _simulate_tiers(
+    trace: StudyTrace, cpu: _CpuRun, tiers: Sequence[TierModel], gated: bool
+) -> tuple[bytearray, list[dict[str, int]]]:
+    """Served flags (CPU or a tier) per access and per tier: blocks served, blocks written."""
+    served = bytearray(cpu.flags)
+    policies = [get_policy_class(t.policy)(t.capacity_blocks) for t in tiers]
+    gates = [
+        FrequencyGate(max(64, 8 * t.capacity_blocks), t.admission_min_count)
+        if gated and t.admission_min_count > 0
+        else None
+        for t in tiers
+    ]
+    counts = [{"served_blocks": 0, "written_blocks": 0} for _ in tiers]
+    lookups: dict[bytes, int] = {}
+    position = 0
+
+    def write(i: int, key: bytes) -> None:
+        policy = policies[i]
+        if key in policy or policy.capacity == 0:
+            return
+        if len(policy) >= policy.capacity and policy.evict(1) is None:
+            return
+        policy.insert(key)
+        counts[i]["written_blocks"] += 1
+
+    for r, keys in enumerate(trace.key_lists):
+        computed: list[bytes] = []
+        for i, key in enumerate(keys):
+            if cpu.flags[position + i]:
+                continue
+            lookups[key] = lookups.get(key, 0) + 1
+            for t, policy in enumerate(policies):
+                gate = gates[t]
+                if gate is not None:
+                    gate.record(key)
+                if key in policy:
+                    policy.touch([key])
+                    counts[t]["served_blocks"] += 1
+                    served[position + i] = 1
+                    break
+            else:
+                computed.append(key)
+        position += len(keys)
+        for t, tier in enumerate(tiers):
+            gate = gates[t]
+            if tier.write_policy == "write_back":
+                offered = cpu.victims[r] if cpu.victims else []
+            elif tier.write_policy == "write_through_selective" and gated:
+                offered = [k for k in computed if lookups[k] >= tier.selective_min_lookups]
+            else:
+                offered = computed
+            for key in offered:
+                if gate is None or gate.admits(key):
+                    write(t, key)
+    return served, counts
+
+
+def run_study(
+    trace: StudyTrace,
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    tiers: Sequence[TierModel] = (),
+    block_bytes: int = 0,
+    belady: bool = True,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per (capacity, policy), Belady last per capacity (see the module docstring)."""
+    key_lists = trace.key_lists
+    accesses = trace.block_accesses
+    flat: list[bytes] = [k for keys in key_lists for k in keys] if belady else []
+    names = [*policies, *(["belady"] if belady else [])]
+    record_victims = any(t.write_policy == "write_back" for t in tiers)
+    prompt_tokens = sum(trace.input_tokens)
+    rows: list[dict[str, Any]] = []
+    with ProgressBar(len(capacities) * len(names), "policy study", enabled=progress) as bar:
+        for capacity in capacities:
+            for name in names:
+                if name == "belady":
+                    cpu = _CpuRun(_belady_hit_flags(flat, capacity, False))
+                else:
+                    policy = get_policy_class(name)(capacity)
+                    cpu = simulate_cpu(policy, key_lists, record_victims=record_victims)
+                prefix = _prefix_hits(cpu.flags, key_lists)
+                saved = _tokens_saved(prefix, trace)
+                row: dict[str, Any] = {
+                    "policy": name,
+                    "capacity_blocks": capacity,
+                    "block_hit_ratio": round(sum(cpu.flags) / accesses, 4) if accesses else 0.0,
+                    "prefix_hit_ratio": round(sum(prefix) / accesses, 4) if accesses else 0.0,
+                    "prefill_tokens_saved": saved,
+                    "prefill_saved_ratio": round(saved / prompt_tokens, 4) if prompt_tokens else 0,
+                    "bytes_stored_cpu": (accesses - sum(cpu.flags)) * block_bytes,
+                }
+                if tiers and (name != "belady" or not record_victims):
+                    row.update(_tier_columns(trace, cpu, tiers, block_bytes))
+                rows.append(row)
+                bar.update()
+    return rows
+
+
+def _tier_columns(
+    trace: StudyTrace, cpu: _CpuRun, tiers: Sequence[TierModel], block_bytes: int
+) -> dict[str, Any]:
+    served, counts = _simulate_tiers(trace, cpu, tiers, gated=True)
+    gated = any(
+        t.admission_min_count > 0 or t.write_policy == "write_through_selective" for t in tiers
+    )
+    ungated = _simulate_tiers(trace, cpu, tiers, gated=False)[1] if gated else counts
+    prefix = _prefix_hits(served, trace.key_lists)
+    accesses = trace.block_accesses
+    columns: dict[str, Any] = {
+        "prefix_hit_ratio_with_tiers": round(sum(prefix) / accesses, 4) if accesses else 0.0,
+        "prefill_tokens_saved_with_tiers": _tokens_saved(prefix, trace),
+    }
+    tier_rows = {}
+    for tier, with_gate, without in zip(tiers, counts, ungated, strict=True):
+
+        def per_hit(c: dict[str, int]) -> float | None:
+            if not c["served_blocks"]:
+                return None
+            return round(c["written_blocks"] * block_bytes / c["served_blocks"])
+
+        tier_rows[tier.name] = {
+            "capacity_blocks": tier.capacity_blocks,
+            "served_blocks": with_gate["served_blocks"],
+            "bytes_written": with_gate["written_blocks"] * block_bytes,
+            "bytes_written_per_hit": per_hit(with_gate),
+            "bytes_written_without_admission": without["written_blocks"] * block_bytes,
+            "bytes_written_per_hit_without_admission": per_hit(without),
+            "served_blocks_without_admission": without["served_blocks"],
+        }
+    columns["tiers"] = tier_rows
+    return columns
+
+
+def capacities_for(unique_blocks: int, fractions: Sequence[float]) -> list[int]:
+    """CPU sizes in blocks for ``fractions`` of the trace's unique blocks (at least 1 each)."""
+    return sorted({max(1, math.ceil(unique_blocks * f)) for f in fractions})
+
+
+def policy_study(
+    key_lists: Sequence[Sequence[bytes]],
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Block and usable-prefix hit ratios of each policy and of Belady's bound, per capacity
+    (``replay --policy-study``: one tier, no bytes)."""
+    trace = StudyTrace([list(k) for k in key_lists], [0] * len(key_lists), 0)
+    rows = run_study(trace, capacities, policies, progress=progress)
+    keep = ("policy", "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio")
+    return [{k: row[k] for k in keep} for row in rows]

@@ -1,0 +1,240 @@
+"""``tiering policy-study``: eviction policies on a trace, metadata only, in seconds.
+
+Every policy of the registry (built-ins and plugins, by default all of them) and Belady's bound
+run over the trace's block keys at CPU sizes given as fractions of the trace's unique blocks
+(the model is in :mod:`tiering.replay.study`). Per policy and size: prefix-hit and block-hit
+ratios, prefill tokens saved, bytes stored in the CPU tier, and, for each secondary tier of the
+config (its own policy, capacity and write policy), blocks served, bytes written and bytes
+written per served block, with and without an admission gate (``--admission N``).
+
+Traces: a Mooncake JSONL file (``hash_ids`` of ``--block-tokens`` tokens; the study's blocks
+are those), tiering's own JSONL or a token-level built-in (hashed with the config's
+``hash_block_size``: the study's blocks are hash blocks), or a realistic built-in
+(``conversation``, ``toolagent``, ``documents``, ``production``: 512-token blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tiering.config import WORKLOAD_TRACES, TieringConfig, load_config
+from tiering.errors import TieringError
+from tiering.hashing import PrefixHasher
+from tiering.policies import available_policies, get_policy_class
+from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, is_mooncake_file, read_mooncake
+from tiering.replay.study import (
+    StudyTrace,
+    TierModel,
+    capacities_for,
+    run_study,
+    study_trace_from_blocks,
+)
+from tiering.replay.traces import builtin_trace, read_jsonl
+from tiering.replay.workloads import workload_trace
+
+__all__ = ["configure_parser", "load_study_trace"]
+
+DEFAULT_SIZES = "0.01,0.02,0.05,0.1,0.2"
+
+
+def load_study_trace(
+    trace: str,
+    config: TieringConfig,
+    *,
+    scale: str = "demo",
+    seed: int = 0,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    max_requests: int | None = None,
+) -> StudyTrace:
+    """The study's keys for ``trace`` (see the module docstring)."""
+    if trace in WORKLOAD_TRACES:
+        return study_trace_from_blocks(workload_trace(trace, scale, seed)[:max_requests], 512)
+    if trace.endswith(".jsonl") or "/" in trace:
+        path = Path(trace)
+        if not path.is_file():
+            raise TieringError(f"--trace: no such file {trace!r}")
+        if is_mooncake_file(path):
+            return study_trace_from_blocks(read_mooncake(path)[:max_requests], block_tokens)
+        requests = list(read_jsonl(path))
+    else:
+        requests = builtin_trace(trace, scale=scale, seed=seed)
+    requests = requests[:max_requests]
+    hasher = PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm)
+    return StudyTrace(
+        [hasher.hash_blocks(r.token_ids, r.extra_keys) for r in requests],
+        [r.num_prompt_tokens for r in requests],
+        config.hashing.hash_block_size,
+    )
+
+
+def _block_bytes(config: TieringConfig, block_tokens: int) -> int:
+    """Bytes of one study block of ``block_tokens`` tokens (0 without a model)."""
+    if config.model is None:
+        return 0
+    tokens_per_offload_block = config.hashing.hash_block_size * config.block_size_factor
+    return config.block_bytes() * block_tokens // tokens_per_offload_block
+
+
+def _tier_models(config: TieringConfig, block_bytes: int, admission: int) -> list[TierModel]:
+    if not block_bytes:
+        return []
+    return [
+        TierModel(
+            name=tier.name,
+            capacity_blocks=tier.capacity_bytes // block_bytes,
+            policy=tier.policy,
+            write_policy=str(tier.write_policy.value),
+            selective_min_lookups=tier.selective_min_lookups,
+            admission_min_count=admission,
+            block_bytes=block_bytes,
+        )
+        for tier in config.secondary_tiers
+    ]
+
+
+def _parse_fractions(text: str) -> list[float]:
+    fractions = []
+    for part in text.split(","):
+        try:
+            fraction = float(part)
+        except ValueError:
+            raise TieringError(
+                f"--sizes: {part.strip()!r} is not a number; give fractions of the trace's "
+                "unique blocks, comma separated, e.g. 0.01,0.1,0.5"
+            ) from None
+        if not 0 < fraction <= 1:
+            raise TieringError(f"--sizes: {part.strip()!r} is not a fraction in (0, 1]")
+        fractions.append(fraction)
+    return fractions
+
+
+def _parse_policies(text: str | None) -> list[str]:
+    if text is None:
+        return list(available_policies())
+    names = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "belady"]
+    if not names and "belady" not in text:
+        raise TieringError("--policies: give at least one policy name (e.g. lru,arc)")
+    for name in names:
+        try:
+            get_policy_class(name)
+        except TieringError as exc:
+            raise TieringError(f"--policies: {exc}") from None
+    return names
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'policy':<10} {'capacity':>9} {'block hits':>11} {'prefix hits':>12} "
+        f"{'prefill saved':>14} {'+tiers':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        with_tiers = r.get("prefix_hit_ratio_with_tiers")
+        lines.append(
+            f"{r['policy']:<10} {r['capacity_blocks']:>9,} {r['block_hit_ratio']:>11.1%} "
+            f"{r['prefix_hit_ratio']:>12.1%} {r['prefill_saved_ratio']:>14.1%} "
+            f"{'-' if with_tiers is None else format(with_tiers, '.1%'):>8}"
+        )
+    tier_lines = []
+    for r in rows:
+        for name, t in r.get("tiers", {}).items():
+            per_hit = t["bytes_written_per_hit"]
+            without = t["bytes_written_per_hit_without_admission"]
+            tier_lines.append(
+                f"{r['policy']:<10} {r['capacity_blocks']:>9,} {name:<8} "
+                f"{t['served_blocks']:>9,} {t['bytes_written'] / 2**30:>10.1f} "
+                f"{'-' if per_hit is None else format(per_hit / 2**20, '.1f'):>12} "
+                f"{'-' if without is None else format(without / 2**20, '.1f'):>12}"
+            )
+    if tier_lines:
+        head = (
+            f"{'policy':<10} {'capacity':>9} {'tier':<8} {'served':>9} {'written GiB':>10} "
+            f"{'MiB/hit':>12} {'no admission':>12}"
+        )
+        lines += ["", head, "-" * len(head), *tier_lines]
+    return "\n".join(lines)
+
+
+def configure_parser(subparsers: Any) -> None:
+    """Add the ``policy-study`` subcommand to the ``tiering`` CLI."""
+    parser = subparsers.add_parser(
+        "policy-study",
+        help="compare eviction policies and Belady's bound on a trace (metadata only)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, type=Path, help="the YAML config")
+    parser.add_argument(
+        "--trace",
+        help="a .jsonl file (Mooncake's or tiering's format) or a built-in trace "
+        f"({', '.join(WORKLOAD_TRACES)}; chat, rag, agent, mixed); default: the config's",
+    )
+    parser.add_argument(
+        "--policies", help="comma separated (default: every registered policy); belady is added"
+    )
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help="CPU sizes as fractions of the unique blocks"
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per hash id of a Mooncake trace (default 512)",
+    )
+    parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
+    parser.add_argument("--seed", type=int, help="built-in trace seed")
+    parser.add_argument("--max-requests", type=int, help="study only the first N requests")
+    parser.add_argument(
+        "--admission",
+        type=int,
+        default=0,
+        metavar="N",
+        help="admit a block into the secondary tiers only once looked up N times "
+        "(a count-min sketch with aging); 0: no gate (default)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    fractions = _parse_fractions(args.sizes)
+    policies = _parse_policies(args.policies)
+    if args.block_tokens <= 0:
+        raise TieringError(f"--block-tokens must be an int > 0, got {args.block_tokens}")
+    if args.admission < 0:
+        raise TieringError(f"--admission must be an int >= 0, got {args.admission}")
+    trace_name = args.trace or config.replay.trace
+    trace = load_study_trace(
+        trace_name,
+        config,
+        scale=args.scale or config.replay.scale,
+        seed=config.replay.seed if args.seed is None else args.seed,
+        block_tokens=args.block_tokens,
+        max_requests=args.max_requests,
+    )
+    if not trace.block_accesses:
+        raise TieringError(f"--trace: {trace_name!r} has no full block to study")
+    block_bytes = _block_bytes(config, trace.block_tokens)
+    rows = run_study(
+        trace,
+        capacities_for(trace.unique_blocks, fractions),
+        policies,
+        tiers=_tier_models(config, block_bytes, args.admission),
+        block_bytes=block_bytes,
+        progress=not (args.no_progress or args.json),
+    )
+    if args.json:
+        print(json.dumps({"policy_study": rows}, indent=2, sort_keys=True))
+    else:
+        print(
+            f"policy study: {len(trace.key_lists):,} requests of {trace_name!r}, "
+            f"{trace.block_accesses:,} block references, {trace.unique_blocks:,} unique blocks "
+            f"of {trace.block_tokens} tokens"
+        )
+        print(format_rows(rows))
+    return 0

@@ -1,0 +1,284 @@
+"""Realistic generated traces: the shape of production LLM traffic, at the block level.
+
+The built-in traces of :mod:`tiering.replay.traces` (``chat``, ``rag``, ``agent``, ``mixed``)
+exercise the data path; the ones here reproduce what decides a KV cache's hit ratio in
+production, following the published Mooncake traces (FAST'25) and their analyses:
+
+- **Multi-turn conversations**: the next turn's prompt is the whole previous conversation
+  (prompt and answer) plus a new user message, arriving after a think time (log-normal,
+  median 60 s, tail to half an hour): a conversation's blocks are reused after minutes, long
+  after an LRU of modest size has lost them.
+- **Shared system prompts per tenant** (Zipf popularity over tenants): the roots every
+  request of a tenant shares.
+- **Tool/agent loops**: a long tool prompt per tenant, then steps seconds apart, each adding
+  an action and a tool observation to the context.
+- **Long one-off documents**: 8k-64k-token documents asked about once (sometimes a follow-up):
+  blocks that flood a cache and never return.
+- **Arrivals**: sessions start as a Poisson process, or bursty (a Markov-modulated Poisson
+  process alternating 3x-rate bursts of ~2 minutes with calm periods); each session's later
+  requests follow its own think times.
+
+Every request is a :class:`~tiering.replay.block_trace.BlockRequest` of 512-token blocks, the
+Mooncake format: the study reads it directly, a replay expands it to tokens
+(:func:`~tiering.replay.block_trace.to_requests`). A prompt's partial last block gets an id of
+its own (its tokens differ from any longer prompt's), as in the Mooncake traces.
+
+Built-in names (``--trace``): ``conversation``, ``toolagent``, ``documents`` (each alone,
+Poisson arrivals) and ``production`` (the three mixed, bursty arrivals). Scale ``demo`` is one
+hour at 12,000 requests per hour (the Mooncake conversation trace's rate); ``tiny`` a tenth,
+``large`` five times. Deterministic for a seed. Their statistics, next to the published ones,
+are in docs/workloads.md ("Realistic generated traces").
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiering.config import WORKLOAD_TRACES
+from tiering.errors import ConfigurationError
+from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
+
+__all__ = ["WORKLOAD_TRACES", "WorkloadMix", "generate", "workload_trace"]
+
+
+_SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
+_REQUESTS_PER_HOUR = 12_000
+_NUM_TENANTS = 24
+# Documents: this share asks about a popular one (Zipf over the catalog), the rest upload one.
+_CATALOG_SHARE = 0.4
+_CATALOG_SIZE = 2_000
+_CATALOG_ALPHA = 0.9
+
+
+@dataclass(frozen=True)
+class WorkloadMix:
+    """Shares of *sessions* of each kind, and the arrival process of session starts."""
+
+    conversation: float = 1.0
+    agent: float = 0.0
+    document: float = 0.0
+    bursty: bool = False
+
+
+_MIXES = {
+    "conversation": WorkloadMix(),
+    "toolagent": WorkloadMix(conversation=0.0, agent=1.0),
+    "documents": WorkloadMix(conversation=0.0, document=1.0),
+    "production": WorkloadMix(conversation=0.55, agent=0.05, document=0.4, bursty=True),
+}
+
+# Mean requests per session of each kind (measured on the generator, seeds 0-4): sets the rate
+# of session starts that gives the target request rate.
+_REQUESTS_PER_SESSION = {"conversation": 2.0, "agent": 8.2, "document": 1.19}
+
+
+class _Ids:
+    """Fresh block ids."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> list[int]:
+        start = self.next
+        self.next += n
+        return list(range(start, start + n))
+
+
+@dataclass
+class _Context:
+    """A prompt under construction: ids of its full blocks and the tokens of its partial one."""
+
+    full: list[int]
+    tail_tokens: int
+
+    def copy(self) -> _Context:
+        return _Context(list(self.full), self.tail_tokens)
+
+    def append(self, tokens: int, ids: _Ids) -> None:
+        total = self.tail_tokens + tokens
+        self.full += ids.take(total // DEFAULT_BLOCK_TOKENS)
+        self.tail_tokens = total % DEFAULT_BLOCK_TOKENS
+
+    @property
+    def tokens(self) -> int:
+        return len(self.full) * DEFAULT_BLOCK_TOKENS + self.tail_tokens
+
+    def block_ids(self, ids: _Ids) -> tuple[int, ...]:
+        # The partial block's tokens are this prompt's own: a fresh id.
+        return tuple(self.full + ids.take(1)) if self.tail_tokens else tuple(self.full)
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, low: float, high: float) -> int:
+    return int(min(high, max(low, rng.lognormvariate(math.log(median), sigma))))
+
+
+class _Generator:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.ids = _Ids()
+        self.out: list[tuple[float, int, int, tuple[int, ...], str]] = []
+        rng = self.rng
+        # Per tenant: a system prompt (conversations, documents) and a tool prompt (agents).
+        self.system = [self._root(_lognormal(rng, 1_200, 0.6, 300, 6_000)) for _ in range(24)]
+        self.tools = [self._root(_lognormal(rng, 7_000, 0.4, 3_000, 16_000)) for _ in range(24)]
+        weights = [1.0 / (k + 1) ** 1.1 for k in range(_NUM_TENANTS)]
+        self.tenant_weights = weights
+        # Popular documents (a tenant's manuals, a trending paper): a Zipf catalog, each a
+        # tenant's system prompt then the document, made when first asked about.
+        self.catalog_weights = [1.0 / (k + 1) ** _CATALOG_ALPHA for k in range(_CATALOG_SIZE)]
+        self.catalog: dict[int, _Context] = {}
+        self.sessions = 0
+
+    def _root(self, tokens: int) -> _Context:
+        context = _Context([], 0)
+        context.append(tokens, self.ids)
+        return context
+
+    def _tenant(self) -> int:
+        return self.rng.choices(range(_NUM_TENANTS), self.tenant_weights)[0]
+
+    def _emit(self, at_s: float, context: _Context, output: int, kind: str) -> None:
+        label = f"{kind}{self.sessions}"  # the session: request ids name it
+        self.out.append((at_s, context.tokens, output, context.block_ids(self.ids), label))
+
+    def conversation(self, start_s: float) -> None:
+        rng, ids = self.rng, self.ids
+        context = self.system[self._tenant()].copy()
+        first = _lognormal(rng, 1_200, 1.0, 30, 8_000)
+        if rng.random() < 0.35:  # a pasted document or file with the first message
+            first += _lognormal(rng, 9_000, 0.7, 2_000, 40_000)
+        context.append(first, ids)
+        at_s = start_s
+        turns = min(40, 1 + int(rng.expovariate(1 / 1.6)))
+        for turn in range(turns):
+            output = _lognormal(rng, 350, 0.7, 20, 2_000)
+            self._emit(at_s, context, output, "chat")
+            if turn + 1 == turns:
+                break
+            context.append(output + _lognormal(rng, 250, 1.0, 10, 4_000), ids)
+            at_s += _lognormal(rng, 60, 1.1, 5, 1_800)  # reading, typing, coming back
+
+    def agent(self, start_s: float) -> None:
+        rng, ids = self.rng, self.ids
+        context = self.tools[self._tenant()].copy()
+        context.append(_lognormal(rng, 600, 0.8, 50, 4_000), ids)  # the task
+        at_s = start_s
+        steps = 2 + int(rng.expovariate(1 / 7.0))
+        for step in range(min(steps, 60)):
+            action = _lognormal(rng, 150, 0.6, 20, 1_000)
+            self._emit(at_s, context, action, "agent")
+            if step + 1 == steps or context.tokens > 120_000:
+                break
+            context.append(action + _lognormal(rng, 900, 1.0, 50, 8_000), ids)  # + observation
+            at_s += _lognormal(rng, 4, 0.8, 0.5, 60)  # the tool runs
+
+    def _catalog_document(self) -> _Context:
+        rng = self.rng
+        index = rng.choices(range(_CATALOG_SIZE), self.catalog_weights)[0]
+        context = self.catalog.get(index)
+        if context is None:
+            context = self.system[self._tenant()].copy()
+            context.append(_lognormal(rng, 14_000, 0.6, 8_000, 64_000), self.ids)
+            self.catalog[index] = context
+        return context
+
+    def document(self, start_s: float) -> None:
+        rng, ids = self.rng, self.ids
+        if rng.random() < _CATALOG_SHARE:
+            context = self._catalog_document()
+        else:  # a one-off upload
+            context = self.system[self._tenant()].copy()
+            context.append(_lognormal(rng, 14_000, 0.6, 8_000, 64_000), ids)
+        at_s = start_s
+        asks = 1 + (rng.random() < 0.15) + (rng.random() < 0.05)
+        for ask in range(asks):
+            output = _lognormal(rng, 300, 0.6, 20, 1_500)
+            question = context.copy()
+            question.append(_lognormal(rng, 80, 0.8, 10, 800), ids)
+            self._emit(at_s, question, output, "doc")
+            if ask + 1 < asks:
+                at_s += _lognormal(rng, 90, 1.0, 5, 1_200)
+
+
+def _session_starts(
+    rng: random.Random, rate_per_s: float, duration_s: float, bursty: bool
+) -> list[float]:
+    """Session start times: Poisson, or a two-state Markov-modulated Poisson process (bursts
+    at three times the calm rate, ~2-minute bursts every ~8 minutes) of the same mean rate."""
+    starts: list[float] = []
+    at_s = 0.0
+    if not bursty:
+        while True:
+            at_s += rng.expovariate(rate_per_s)
+            if at_s >= duration_s:
+                return starts
+            starts.append(at_s)
+    burst_s, calm_s = 120.0, 360.0
+    calm_rate = rate_per_s * (burst_s + calm_s) / (3 * burst_s + calm_s)
+    in_burst = False
+    while at_s < duration_s:
+        length = rng.expovariate(1 / (burst_s if in_burst else calm_s))
+        rate = calm_rate * (3 if in_burst else 1)
+        end = min(duration_s, at_s + length)
+        while True:
+            at_s += rng.expovariate(rate)
+            if at_s >= end:
+                break
+            starts.append(at_s)
+        at_s = end
+        in_burst = not in_burst
+    return starts
+
+
+def generate(
+    mix: WorkloadMix,
+    duration_s: float = 3_600.0,
+    requests_per_hour: float = _REQUESTS_PER_HOUR,
+    seed: int = 0,
+) -> list[BlockRequest]:
+    """Requests of ``mix`` arriving over ``duration_s`` at about ``requests_per_hour``
+    (requests a session would send after ``duration_s`` are dropped), by arrival time."""
+    shares = {"conversation": mix.conversation, "agent": mix.agent, "document": mix.document}
+    total = sum(shares.values())
+    if total <= 0 or min(shares.values()) < 0:
+        raise ConfigurationError(f"workload shares must be >= 0 and not all 0, got {shares}")
+    if not duration_s > 0 or not requests_per_hour > 0:
+        raise ConfigurationError(
+            f"duration_s and requests_per_hour must be > 0, got {duration_s}, {requests_per_hour}"
+        )
+    gen = _Generator(seed)
+    kinds = [k for k, share in shares.items() if share > 0]
+    weights = [shares[k] / total for k in kinds]
+    per_session = sum(w * _REQUESTS_PER_SESSION[k] for k, w in zip(kinds, weights, strict=True))
+    session_rate = requests_per_hour / 3_600.0 / per_session
+    makers: dict[str, Callable[[float], None]] = {
+        "conversation": gen.conversation,
+        "agent": gen.agent,
+        "document": gen.document,
+    }
+    for start in _session_starts(gen.rng, session_rate, duration_s, mix.bursty):
+        gen.sessions += 1
+        makers[gen.rng.choices(kinds, weights)[0]](start)
+    kept = sorted((r for r in gen.out if r[0] < duration_s), key=lambda r: r[0])
+    return [
+        BlockRequest(f"{kind}-s{seed}-{i}", at_s, tokens, output, ids)
+        for i, (at_s, tokens, output, ids, kind) in enumerate(kept)
+    ]
+
+
+def workload_trace(name: str, scale: str = "demo", seed: int = 0) -> list[BlockRequest]:
+    """The built-in realistic trace ``name`` at ``scale`` (see the module docstring)."""
+    if name not in _MIXES:
+        raise ConfigurationError(
+            f"unknown realistic trace {name!r}; valid names: {', '.join(WORKLOAD_TRACES)}"
+        )
+    if scale not in _SCALE_HOURS:
+        raise ConfigurationError(
+            f"unknown trace scale {scale!r}; valid scales: {', '.join(_SCALE_HOURS)}"
+        )
+    return generate(_MIXES[name], duration_s=3_600.0 * _SCALE_HOURS[scale], seed=seed)
