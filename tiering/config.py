@@ -18,6 +18,7 @@ Environment variables ``TIERING_<PATH>`` override keys: the dotted path upper-ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -52,6 +53,7 @@ from tiering.backends.settings import (
     settings_fields,
     unknown_key_message,
 )
+from tiering.backends.tier_lock import hold_directory_locks
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.groups import KVCacheSpec
 from tiering.hf_model import cached_model_shape
@@ -1335,46 +1337,57 @@ def wipe_tier(tier: TierConfig) -> Removal:
     """Delete tiering's own files from the tier's directory, then the directory if that left it
     empty; an operator's files stay. Raises :class:`ConfigError` (nothing deleted) if the
     directory is not tiering's, holds another backend's tier, or holds an entry named like
-    tiering's that is not a regular file. A plugin backend is imported (its class says which
-    files are its own)."""
+    tiering's that is not a regular file, and :class:`~tiering.backends.tier_lock.TierInUseError`
+    (nothing deleted) if a live process holds the tier open. A plugin backend is imported (its
+    class says which files are its own)."""
     return wipe_tiers([tier])[0]
 
 
 def wipe_tiers(tiers: Sequence[TierConfig]) -> list[Removal]:
-    """:func:`wipe_tier` for each of ``tiers``, all or none: every directory is examined first,
-    so a refusal (:class:`ConfigError`) leaves every tier as it was."""
+    """:func:`wipe_tier` for each of ``tiers``, all or none: every tier's lock (the one its
+    backend holds while open) is taken and every directory examined first, so a refusal leaves
+    every tier as it was; the locks are held until the files are gone."""
     plans: list[type[StorageBackend] | None] = []
     for tier in tiers:
         if tier.path is None:
             plans.append(None)
             continue
         try:
-            cls = get_backend(tier.type).cls
-            found = examine_directory(
-                tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
-            )
-            if found.state == "foreign":
-                raise foreign_directory_error(found, what="the tier directory")
-            check_backend(found, cls.name)
-        except (ConfigurationError, TierDirectoryError) as exc:
+            plans.append(get_backend(tier.type).cls)
+        except ConfigurationError as exc:
             raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
-        plans.append(cls)
-    removals = []
-    for tier, backend_class in zip(tiers, plans, strict=True):
-        if backend_class is None or tier.path is None:
-            removals.append(Removal((), (), False))
-            continue
-        try:
-            removals.append(
-                remove_owned_files(
-                    tier.path,
-                    backend=backend_class.name,
-                    owned_files=backend_class.owned_files,
-                    recognizes=backend_class.recognizes_directory,
+    with contextlib.ExitStack() as locks:
+        for tier, cls in zip(tiers, plans, strict=True):
+            if cls is not None and tier.path is not None:
+                locks.enter_context(hold_directory_locks(tier.path, cls.lock_files, tier=tier.name))
+        for tier, cls in zip(tiers, plans, strict=True):
+            if cls is None or tier.path is None:
+                continue
+            try:
+                found = examine_directory(
+                    tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
                 )
-            )
-        except TierDirectoryError as exc:  # changed since it was examined
-            raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+                if found.state == "foreign":
+                    raise foreign_directory_error(found, what="the tier directory")
+                check_backend(found, cls.name)
+            except TierDirectoryError as exc:
+                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+        removals = []
+        for tier, backend_class in zip(tiers, plans, strict=True):
+            if backend_class is None or tier.path is None:
+                removals.append(Removal((), (), False))
+                continue
+            try:
+                removals.append(
+                    remove_owned_files(
+                        tier.path,
+                        backend=backend_class.name,
+                        owned_files=backend_class.owned_files,
+                        recognizes=backend_class.recognizes_directory,
+                    )
+                )
+            except TierDirectoryError as exc:  # changed since it was examined
+                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
     return removals
 
 

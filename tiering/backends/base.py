@@ -131,6 +131,11 @@ class StorageBackend(ABC):
     #: Glob patterns of the files the backend creates in its directory (``path``): all that
     #: tiering ever deletes there (see :mod:`tiering.backends.ownership`).
     owned_files: ClassVar[tuple[str, ...]] = ()
+    #: What the backend holds an exclusive ``flock`` on while open, relative to its directory
+    #: (``"."``: the directory itself). ``tiering wipe``, ``replay --fresh`` and recovery take
+    #: these first and refuse a tier a live process holds
+    #: (:mod:`tiering.backends.tier_lock`). A backend that keeps files must hold one.
+    lock_files: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def recognizes_directory(cls, path: Path) -> bool:

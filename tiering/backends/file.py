@@ -113,7 +113,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import heapq
 import json
 import logging
@@ -167,6 +166,7 @@ from tiering.backends.ownership import (
     write_marker,
 )
 from tiering.backends.settings import Durability, RecoverMode
+from tiering.backends.tier_lock import lock_exclusive
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -439,6 +439,7 @@ class FileBackend(StorageBackend):
         MANIFEST_NAME,
         f"{_TMP_PREFIX}*{_TMP_SUFFIX}",
     )
+    lock_files: ClassVar[tuple[str, ...]] = (".",)
 
     def __init__(
         self,
@@ -786,12 +787,10 @@ class FileBackend(StorageBackend):
         at a time decides what happens to its files."""
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            lock_exclusive(fd, self.path, what="the file backend's directory")
+        except BaseException:
             os.close(fd)
-            raise BackendError(
-                f"{str(self.path)!r} is in use by another FileBackend (flock: {exc})"
-            ) from exc
+            raise
         self._dir_fd = fd
 
     def _slot_file_bytes(self) -> int:
@@ -952,12 +951,10 @@ class FileBackend(StorageBackend):
             hint = " (does this file system support O_DIRECT?)" if self.o_direct else ""
             raise BackendError(f"cannot open the slot file {path!r}: {exc}{hint}") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            lock_exclusive(fd, self.path, what="the file backend's slot file in")
+        except BaseException:
             self._ops.close(fd)
-            raise BackendError(
-                f"{str(self.path)!r} is in use by another FileBackend (flock: {exc})"
-            ) from exc
+            raise
         return fd
 
     def _preallocate(self, size: int) -> None:

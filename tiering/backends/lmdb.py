@@ -161,6 +161,7 @@ from tiering.backends.ownership import (
     write_marker,
 )
 from tiering.backends.settings import RecoverMode
+from tiering.backends.tier_lock import lock_exclusive
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -346,13 +347,10 @@ class _DirectoryLock:
         else:
             self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            lock_exclusive(self._fd, Path(directory), what="the LMDB backend's directory")
+        except BaseException:
             os.close(self._fd)
-            raise BackendError(
-                f"LMDB directory {directory!r} is in use by another backend "
-                f"(in this process or another); one directory serves one backend"
-            ) from None
+            raise
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -451,6 +449,8 @@ class LMDBBackend(StorageBackend):
         _DATA_FILE + _DAMAGED_SUFFIX,
         _LOCK_FILE,
     )
+    # Writable: the lock file; read-only without one: the directory (_DirectoryLock).
+    lock_files: ClassVar[tuple[str, ...]] = (_LOCK_FILE, ".")
 
     def __init__(
         self,
