@@ -176,15 +176,23 @@ async def test_recovery_of_another_layout_refuses_a_held_tier(
     tiers = config_path.parent / "tiers"
     before = tree_state(tiers)
     config = load_config(config_path)
-    settings = {"block_bytes": config.block_bytes(), "fingerprint": b"\x01" * 16}
+    block_bytes, other_layout = config.block_bytes(), b"\x01" * 16
     backend: FileBackend | LMDBBackend
     if tier == "nvme":
         backend = FileBackend(
-            path=tiers / "nvme", capacity_bytes=1 << 20, on_layout_mismatch="wipe", **settings
+            path=tiers / "nvme",
+            capacity_bytes=1 << 20,
+            block_bytes=block_bytes,
+            fingerprint=other_layout,
+            on_layout_mismatch="wipe",
         )
     else:
         backend = LMDBBackend(
-            path=str(tiers / "db"), capacity_bytes=1 << 20, on_layout_mismatch="wipe", **settings
+            path=str(tiers / "db"),
+            capacity_bytes=1 << 20,
+            block_bytes=block_bytes,
+            fingerprint=other_layout,
+            on_layout_mismatch="wipe",
         )
     with pytest.raises(TierInUseError) as caught:
         await backend.open()

@@ -252,6 +252,7 @@ class TierConfig:
     selective_min_lookups: int = 2
     max_inflight_jobs: int = 4
     quarantine_seconds: float = 10.0
+    io_timeout_s: float = 30.0
     existence_cache_seconds: float | None = None  # shared tiers only (None: SharedTier's default)
     existence_cache_max_keys: int | None = None
     settings: object = field(default_factory=NoSettings)
@@ -284,6 +285,15 @@ class _TierKeys:
     )
     quarantine_seconds: float = field(
         default=10.0, metadata={"min": 0.0, "doc": "how long a failed key counts as absent"}
+    )
+    io_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "min": 0.001,
+            "max": 86400.0,
+            "doc": "deadline of each store/promotion job; past it the job fails, its keys miss "
+            "and the tier is stalled until its I/O returns",
+        },
     )
     existence_cache_seconds: float | None = field(
         default=None,
@@ -987,6 +997,7 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         selective_min_lookups=keys.selective_min_lookups,
         max_inflight_jobs=keys.max_inflight_jobs,
         quarantine_seconds=keys.quarantine_seconds,
+        io_timeout_s=keys.io_timeout_s,
         existence_cache_seconds=keys.existence_cache_seconds,
         existence_cache_max_keys=keys.existence_cache_max_keys,
         settings=settings,
@@ -1636,6 +1647,7 @@ def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> Seconda
                 selective_min_lookups=tier.selective_min_lookups,
                 max_inflight_jobs=tier.max_inflight_jobs,
                 quarantine_seconds=tier.quarantine_seconds,
+                io_timeout_s=tier.io_timeout_s,
                 **cache,
             )
         if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
@@ -1651,6 +1663,7 @@ def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> Seconda
             selective_min_lookups=tier.selective_min_lookups,
             max_inflight_jobs=tier.max_inflight_jobs,
             quarantine_seconds=tier.quarantine_seconds,
+            io_timeout_s=tier.io_timeout_s,
         )
     except ConfigurationError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
