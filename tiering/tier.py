@@ -490,9 +490,10 @@ class SecondaryTier:
         to_write = [k for k in dict.fromkeys(keys) if k not in policy]
         if not to_write:
             return [], []
-        if len(to_write) > self.capacity_blocks:
+        capacity = self.backend.effective_capacity_blocks  # less when a disk guard shrinks it
+        if len(to_write) > capacity:
             return None
-        shortfall = len(policy) + len(to_write) - self.capacity_blocks
+        shortfall = len(policy) + len(to_write) - capacity
         victims: list[bytes] = []
         if shortfall > 0:
             chosen = policy.evict(shortfall, protected=set(keys))
@@ -525,7 +526,15 @@ class SecondaryTier:
         if not full:
             return StoreResult(stored, pairs, None)
         full_keys = [job.keys[i] for i in full]
-        victims = None if job.retried else self.policy.evict(len(full), protected=set(job.keys))
+        # Room for them, and down to the capacity the backend allows now (a disk guard may
+        # have shrunk it since the job was reserved).
+        wanted = max(len(full), len(self.policy) - self.backend.effective_capacity_blocks)
+        victims = None
+        if not job.retried:
+            protected = set(job.keys)
+            victims = self.policy.evict(wanted, protected=protected)
+            if victims is None and wanted > len(full):
+                victims = self.policy.evict(len(full), protected=protected)
         if victims is None:
             self._publish(full_keys, [FAILED] * len(full))
             return StoreResult(stored, pairs + [(job.keys[i], job.slots[i]) for i in full], None)

@@ -1098,6 +1098,9 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
                 "open_error": tier.open_error,
                 "blocks": len(tier),
                 "capacity_blocks": tier.capacity_blocks if tier.is_open else 0,
+                "effective_capacity_blocks": (
+                    tier.backend.effective_capacity_blocks if tier.is_open else 0
+                ),
                 "inflight_jobs": tier.inflight_jobs,
                 **tier.metrics.counters(),
                 "backend": vars(tier.backend.stats),

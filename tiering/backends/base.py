@@ -181,6 +181,13 @@ class StorageBackend(ABC):
         """How many blocks of ``block_bytes`` fit; the owning tier's policy capacity."""
 
     @property
+    def effective_capacity_blocks(self) -> int:
+        """How many blocks it may hold now (<= ``capacity_blocks``): less when a disk guard
+        (``min_free_bytes``, :mod:`tiering.backends.disk_guard`) sees the filesystem fill. The
+        owning tier evicts down to it before writing. Cheap: the last sample, no I/O."""
+        return self.capacity_blocks
+
+    @property
     @abstractmethod
     def usage_bytes(self) -> int:
         """Bytes of storage used by stored blocks (headers included)."""

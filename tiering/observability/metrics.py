@@ -51,6 +51,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     # -- usage ---------------------------------------------------------------------------------
     MetricSpec("tiering_capacity_blocks", "gauge", "Blocks the tier can hold."),
     MetricSpec("tiering_used_blocks", "gauge", "Blocks the tier holds now."),
+    MetricSpec(
+        "tiering_effective_capacity_blocks",
+        "gauge",
+        "Blocks the tier may hold now: its capacity, less when a disk guard (min_free_bytes) "
+        "shrinks it (secondary tiers).",
+    ),
     MetricSpec("tiering_block_bytes", "gauge", "Bytes of one block (one CPU pool row)."),
     MetricSpec("tiering_inflight_jobs", "gauge", "Promotion and store jobs in flight."),
     MetricSpec(
@@ -248,6 +254,7 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
     labels = (tier.name, tier.medium)
     yield Sample("tiering_capacity_blocks", labels, counters["capacity_blocks"])
     yield Sample("tiering_used_blocks", labels, counters["blocks"])
+    yield Sample("tiering_effective_capacity_blocks", labels, counters["effective_capacity_blocks"])
     yield Sample("tiering_block_bytes", labels, row_bytes)
     yield Sample("tiering_inflight_jobs", labels, counters["inflight_jobs"])
     yield Sample("tiering_stalled", labels, 1 if counters["stalled"] else 0)
