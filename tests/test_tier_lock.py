@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -63,7 +64,9 @@ class Holder:
             cwd=config_path.parent,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # blocks until the tiers are open and written
+        # Until the tiers are open and written (a hung start fails the test, never hangs it).
+        ready, _, _ = select.select([self.proc.stdout], [], [], 300)
+        line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("HOLDING "):
             self.proc.kill()
             _out, err = self.proc.communicate(timeout=60)
