@@ -78,6 +78,10 @@ class BlockingBackend(MemoryBackend):
             else:
                 await asyncio.get_running_loop().run_in_executor(None, self.gate.wait)
 
+    async def open(self) -> list[bytes]:
+        await self._hold("open")
+        return await super().open()
+
     async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
         await self._hold("put")
         return await super().put(keys, values)
@@ -291,6 +295,42 @@ def test_reset_cache_refuses_while_a_tier_is_stalled(blocking: BlockingBackend) 
         rig.release(blocking.gate)
         manager.reset_cache()
         assert manager.primary.lookup(k(1)) is False
+    finally:
+        blocking.gate.set()
+        manager.shutdown()
+
+
+def test_a_tier_that_cannot_finish_opening_is_not_waited_for_and_joins_when_it_opens(
+    blocking: BlockingBackend,
+) -> None:
+    """A hung mount at start-up: ``wait_ready`` (which the vLLM adapter calls without a
+    timeout) returns once the open is past its deadline; the tier answers absent meanwhile,
+    and serves once its open finishes (an open touches no primary row: it applies late)."""
+    blocking.ops = {"open"}
+    blocking.gate.clear()
+    tier = SecondaryTier(blocking, name="slow", io_timeout_s=DEADLINE_S)
+    pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    manager = TieringOffloadingManager(CPUOffloadingManager(2), [tier], pool=pool)
+    try:
+        manager.wait_ready(timeout=None)
+        assert tier.status == "opening" and tier.metrics.timed_out_jobs == 1
+        assert manager.lookup(k(1)) is False
+        out = manager.prepare_store([k(1)])
+        assert out is not None
+        manager.complete_store([k(1)])  # not written to a tier that is not open
+        assert tier.metrics.store_jobs == 0
+        tier.io_timeout_s = WAIT_S
+        blocking.gate.set()
+        for job in manager.stalled_jobs():
+            assert job.io_future is not None
+            job.io_future.result(timeout=WAIT_S)
+        manager.wait_idle(timeout=WAIT_S)
+        assert tier.is_open and not tier.stalled
+        out = manager.prepare_store([k(2)])
+        assert out is not None
+        manager.complete_store([k(2)])
+        manager.wait_idle(timeout=WAIT_S)
+        assert tier.state(k(2)).name == "READY"
     finally:
         blocking.gate.set()
         manager.shutdown()

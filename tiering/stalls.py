@@ -7,7 +7,10 @@ I/O returning or its deadline passing, *claims* the job (under one lock) and que
 result, or a :class:`~tiering.deadline.JobTimedOut`; both are applied on the caller's thread like
 every result (at the next call, or at a step boundary), so the engine's calls never wait.
 
-A timeout counts the job failed, makes its keys misses (a promotion's keys leave the primary,
+Opening a tier is the exception: past its deadline the tier only stops being waited for
+(``wait_ready`` returns; it answers absent while it opens, as before) and, since an open touches
+no primary row, its result applies whenever it comes. Any other timeout counts the job failed,
+makes its keys misses (a promotion's keys leave the primary,
 its slots stay allocated) and stalls the tier (:meth:`SecondaryTier.time_out`): it answers
 every key absent (``locate`` never names it), takes no store, starts no promotion; removal
 events announce the keys it stopped serving, a warning is logged once, ``metrics()`` reports
@@ -35,8 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TIMED_KINDS", "JobDeadlines", "late_result"]
 
-#: The jobs that have a deadline (opening and closing a tier are bounded by wait_ready's).
-TIMED_KINDS = frozenset({"store", "write_back", "promote", "check", "delete", "purge"})
+#: The jobs that have a deadline (closing a tier is bounded by shutdown's wait).
+TIMED_KINDS = frozenset({"open", "store", "write_back", "promote", "check", "delete", "purge"})
 
 _OnDone = Callable[[TierJob, Any], None]
 
@@ -114,6 +117,9 @@ class JobDeadlines:
         """Apply a :class:`JobTimedOut` (caller's thread): fail the job, stall its tier."""
         tier = job.tier
         self._stuck_jobs.add(job)
+        if job.kind == "open":  # it holds nothing yet: wait_ready stops waiting for it
+            tier.note_slow_open(job)
+            return
         gone = tier.time_out(job)
         if job.kind == "promote":
             promoting = self._promoting
@@ -130,6 +136,9 @@ class JobDeadlines:
         apply its result; the tier recovers once none of its jobs is late."""
         self._stuck_jobs.discard(job)
         tier = job.tier
+        if job.kind == "open":  # an open touches no primary row: it applies, late or not
+            tier.finish_open(job, result)
+            return
         purge, back = tier.finish_late(job, result)
         if job.kind == "store":
             self.primary.complete_load(list(job.keys))  # type: ignore[arg-type]

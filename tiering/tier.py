@@ -656,6 +656,18 @@ class SecondaryTier:
         )
         return self._ready_keys()
 
+    def note_slow_open(self, job: TierJob) -> None:
+        """Opening the backend (recovering its index) took longer than ``io_timeout_s``: the
+        manager stops waiting for it; the tier answers absent until it is open (its late
+        result is applied by :meth:`finish_open`)."""
+        self.metrics.timed_out_jobs += 1
+        logger.warning(
+            "tier %r is still opening after io_timeout_s=%gs (a slow or hung mount, or a large "
+            "index to recover); it serves nothing until it is open, the other tiers go on",
+            self.name,
+            self.io_timeout_s,
+        )
+
     def finish_late(self, job: TierJob, result: object) -> tuple[TierJob | None, list[bytes]]:
         """The I/O of a timed-out ``job`` returned: release what it held, never apply its
         result. Returns a job that deletes a late store's keys from the backend (submit it;

@@ -1127,7 +1127,9 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
                 return
 
     def wait_ready(self, timeout: float | None = 60.0) -> None:
-        """Block until every tier is open and indexed (or degraded)."""
+        """Block until every tier is open and indexed (or degraded), or still opening past its
+        ``io_timeout_s`` (it then comes online when its open finishes; meanwhile it answers
+        absent)."""
         self.wait_idle(timeout)
 
     async def drain(self) -> None:
