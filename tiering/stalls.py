@@ -94,7 +94,10 @@ class JobDeadlines:
             self._results_queued = True  # after the put: the caller clears it before draining
         future = job.future
         if not late and future is not None:
-            future.set_result(None)
+            if isinstance(result, BaseException):  # what awaiting the job raised before
+                future.set_exception(result)
+            else:
+                future.set_result(None)
 
     def _deadline_passed(self, job: TierJob, on_done: _OnDone) -> None:
         """The watch thread: the job is past its deadline, unless its I/O returned first."""
