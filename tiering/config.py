@@ -18,6 +18,7 @@ Environment variables ``TIERING_<PATH>`` override keys: the dotted path upper-ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -52,6 +53,7 @@ from tiering.backends.settings import (
     settings_fields,
     unknown_key_message,
 )
+from tiering.backends.tier_lock import hold_directory_locks
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.groups import KVCacheSpec
 from tiering.hf_model import cached_model_shape
@@ -253,6 +255,7 @@ class TierConfig:
     selective_min_lookups: int = 2
     max_inflight_jobs: int = 4
     quarantine_seconds: float = 10.0
+    io_timeout_s: float = 30.0
     existence_cache_seconds: float | None = None  # shared tiers only (None: SharedTier's default)
     existence_cache_max_keys: int | None = None
     settings: object = field(default_factory=NoSettings)
@@ -285,6 +288,15 @@ class _TierKeys:
     )
     quarantine_seconds: float = field(
         default=10.0, metadata={"min": 0.0, "doc": "how long a failed key counts as absent"}
+    )
+    io_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "min": 0.001,
+            "max": 86400.0,
+            "doc": "deadline of each store/promotion job; past it the job fails, its keys miss "
+            "and the tier is stalled until its I/O returns",
+        },
     )
     existence_cache_seconds: float | None = field(
         default=None,
@@ -1000,6 +1012,7 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         selective_min_lookups=keys.selective_min_lookups,
         max_inflight_jobs=keys.max_inflight_jobs,
         quarantine_seconds=keys.quarantine_seconds,
+        io_timeout_s=keys.io_timeout_s,
         existence_cache_seconds=keys.existence_cache_seconds,
         existence_cache_max_keys=keys.existence_cache_max_keys,
         settings=settings,
@@ -1350,46 +1363,57 @@ def wipe_tier(tier: TierConfig) -> Removal:
     """Delete tiering's own files from the tier's directory, then the directory if that left it
     empty; an operator's files stay. Raises :class:`ConfigError` (nothing deleted) if the
     directory is not tiering's, holds another backend's tier, or holds an entry named like
-    tiering's that is not a regular file. A plugin backend is imported (its class says which
-    files are its own)."""
+    tiering's that is not a regular file, and :class:`~tiering.backends.tier_lock.TierInUseError`
+    (nothing deleted) if a live process holds the tier open. A plugin backend is imported (its
+    class says which files are its own)."""
     return wipe_tiers([tier])[0]
 
 
 def wipe_tiers(tiers: Sequence[TierConfig]) -> list[Removal]:
-    """:func:`wipe_tier` for each of ``tiers``, all or none: every directory is examined first,
-    so a refusal (:class:`ConfigError`) leaves every tier as it was."""
+    """:func:`wipe_tier` for each of ``tiers``, all or none: every tier's lock (the one its
+    backend holds while open) is taken and every directory examined first, so a refusal leaves
+    every tier as it was; the locks are held until the files are gone."""
     plans: list[type[StorageBackend] | None] = []
     for tier in tiers:
         if tier.path is None:
             plans.append(None)
             continue
         try:
-            cls = get_backend(tier.type).cls
-            found = examine_directory(
-                tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
-            )
-            if found.state == "foreign":
-                raise foreign_directory_error(found, what="the tier directory")
-            check_backend(found, cls.name)
-        except (ConfigurationError, TierDirectoryError) as exc:
+            plans.append(get_backend(tier.type).cls)
+        except ConfigurationError as exc:
             raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
-        plans.append(cls)
-    removals = []
-    for tier, backend_class in zip(tiers, plans, strict=True):
-        if backend_class is None or tier.path is None:
-            removals.append(Removal((), (), False))
-            continue
-        try:
-            removals.append(
-                remove_owned_files(
-                    tier.path,
-                    backend=backend_class.name,
-                    owned_files=backend_class.owned_files,
-                    recognizes=backend_class.recognizes_directory,
+    with contextlib.ExitStack() as locks:
+        for tier, cls in zip(tiers, plans, strict=True):
+            if cls is not None and tier.path is not None:
+                locks.enter_context(hold_directory_locks(tier.path, cls.lock_files, tier=tier.name))
+        for tier, cls in zip(tiers, plans, strict=True):
+            if cls is None or tier.path is None:
+                continue
+            try:
+                found = examine_directory(
+                    tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
                 )
-            )
-        except TierDirectoryError as exc:  # changed since it was examined
-            raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+                if found.state == "foreign":
+                    raise foreign_directory_error(found, what="the tier directory")
+                check_backend(found, cls.name)
+            except TierDirectoryError as exc:
+                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+        removals = []
+        for tier, backend_class in zip(tiers, plans, strict=True):
+            if backend_class is None or tier.path is None:
+                removals.append(Removal((), (), False))
+                continue
+            try:
+                removals.append(
+                    remove_owned_files(
+                        tier.path,
+                        backend=backend_class.name,
+                        owned_files=backend_class.owned_files,
+                        recognizes=backend_class.recognizes_directory,
+                    )
+                )
+            except TierDirectoryError as exc:  # changed since it was examined
+                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
     return removals
 
 
@@ -1640,6 +1664,7 @@ def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> Seconda
                 selective_min_lookups=tier.selective_min_lookups,
                 max_inflight_jobs=tier.max_inflight_jobs,
                 quarantine_seconds=tier.quarantine_seconds,
+                io_timeout_s=tier.io_timeout_s,
                 **cache,
             )
         if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
@@ -1655,6 +1680,7 @@ def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> Seconda
             selective_min_lookups=tier.selective_min_lookups,
             max_inflight_jobs=tier.max_inflight_jobs,
             quarantine_seconds=tier.quarantine_seconds,
+            io_timeout_s=tier.io_timeout_s,
         )
     except ConfigurationError as exc:
         raise ConfigError(f"{where}: {exc}") from exc

@@ -447,8 +447,21 @@ class CPUOffloadingManager(OffloadingManager):
         self._eviction_hook = hook
 
     def release_slots(self, slots: Iterable[int]) -> None:
-        """Free slots that an eviction hook retained."""
+        """Free slots that an eviction hook or :meth:`drop_retaining_slots` retained."""
         self._freed_slots += slots
+
+    def drop_retaining_slots(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Drop keys not ready yet (a promotion given up on: its read is past its deadline)
+        as a failed store would, but keep their slots allocated, since the read may still
+        write into them; returns those slots, for :meth:`release_slots` once the read is over.
+        Keys unknown or ready are left alone."""
+        not_ready, slots_of, policy = self._not_ready, self._slots, self._policy
+        dropped = [k for k in dict.fromkeys(keys) if k in not_ready]
+        not_ready.difference_update(dropped)
+        for key in dropped:
+            policy.remove(key)
+        self._failed_blocks += len(dropped)
+        return [slots_of.pop(k) for k in dropped]
 
     def reserve_for_promotion(
         self,

@@ -86,6 +86,7 @@ GENERIC_TIER_KEYS = (
     "selective_min_lookups",
     "max_inflight_jobs",
     "quarantine_seconds",
+    "io_timeout_s",
     "existence_cache_seconds",
     "existence_cache_max_keys",
 )

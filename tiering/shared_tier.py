@@ -129,6 +129,7 @@ class SharedTier(SecondaryTier):
         quarantine_max_keys: int = 65536,
         existence_cache_seconds: float = 2.0,
         existence_cache_max_keys: int = 65536,
+        io_timeout_s: float = 30.0,
     ) -> None:
         tier_name = name or backend.name
         if not backend.capabilities.shared:
@@ -144,6 +145,7 @@ class SharedTier(SecondaryTier):
             max_inflight_jobs=max_inflight_jobs,
             quarantine_seconds=quarantine_seconds,
             quarantine_max_keys=quarantine_max_keys,
+            io_timeout_s=io_timeout_s,
         )
         if self.write_policy is WritePolicy.WRITE_BACK:
             raise ConfigurationError(
@@ -197,12 +199,14 @@ class SharedTier(SecondaryTier):
         (the manager then asks the store); ABSENT if the cache says absent or the key is
         quarantined (counted in ``cached_misses``: a lookup answered without asking), or if the
         tier is not open or the key is not one a backend stores. The only side effect is that
-        count (``locate``, a tool's call, adds to it too)."""
+        count (``locate``, a tool's call, adds to it too). ABSENT while stalled."""
+        if self._stuck_jobs:
+            return ABSENT
         answer = self._known.get(key)
         if answer is True:
             return READY
         if answer is None and key not in self._quarantine:
-            if self.status == "open" and GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES:
+            if self.serving and GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES:
                 return UNKNOWN
             return ABSENT
         self.metrics.cached_misses += 1
@@ -214,7 +218,7 @@ class SharedTier(SecondaryTier):
         return (
             key not in self._known
             and key not in self._quarantine
-            and self.status == "open"
+            and self.serving
             and GROUP_INDEX_BYTES < len(key) <= MAX_KEY_BYTES
         )
 
@@ -223,7 +227,7 @@ class SharedTier(SecondaryTier):
         absent, quarantined, not storable) are dropped."""
         present: list[bytes] = []
         unknown: list[bytes] = []
-        if self.status != "open":
+        if not self.serving:
             return present, unknown
         known, quarantine = self._known, self._quarantine
         for key in dict.fromkeys(keys):
@@ -241,7 +245,7 @@ class SharedTier(SecondaryTier):
     def readable(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys a promotion may read: not known to be absent, not quarantined. (A key whose
         answer expired since its check is read anyway: if it is gone, the read says so.)"""
-        if self.status != "open":
+        if not self.serving:
             return []
         known, quarantine = self._known, self._quarantine
         return [k for k in keys if known.get(k) is not False and k not in quarantine]
@@ -312,8 +316,8 @@ class SharedTier(SecondaryTier):
         """Write the keys that just became ready in the primary, by write policy, with
         ``put_if_absent``; keys the cache says the store holds are not sent (counted), nor keys
         this tier is writing already. None if nothing is to be written, or the write is shed
-        over the job bound (counted)."""
-        if self.status != "open":
+        over the job bound (counted), or the tier is stalled."""
+        if not self.serving:
             return None
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             wanted = self.selective_min_lookups
@@ -435,6 +439,18 @@ class SharedTier(SecondaryTier):
                 metrics.quarantined += 1
         metrics.promoted_blocks += len(loaded)
         return PromotionResult(loaded, failed, [])
+
+    # -- deadlines --------------------------------------------------------------------------------
+
+    def _purge_job(self, keys: Sequence[bytes]) -> TierJob | None:
+        """A late write to the shared store wrote the block's own bytes (its rows stayed
+        pinned), under ``put_if_absent``: it is as good as another node's; a shared tier never
+        deletes. Nothing to purge."""
+        self._stuck.difference_update(keys)
+        return None
+
+    def _ready_keys(self) -> list[bytes]:
+        return []  # a shared tier announces nothing (see the module docstring)
 
     # -- reset ------------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ import cachetools
 import numpy as np
 
 from tiering.backends.base import Outcome, StorageBackend
+from tiering.deadline import Timer
 from tiering.errors import ConfigurationError, TieringError
 from tiering.latency import LatencyRecord
 from tiering.policies import EvictionPolicy, make_policy
@@ -98,6 +99,8 @@ class TierMetrics:
     bytes_written: int = 0
     bytes_read: int = 0
     open_failures: int = 0
+    timed_out_jobs: int = 0  # jobs past io_timeout_s (their keys counted in the failures too)
+    stalls: int = 0  # times the tier stalled (a job timed out while none was stuck)
     load_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
     store_latency_s: LatencyRecord = field(default_factory=LatencyRecord)
 
@@ -137,6 +140,12 @@ class TierJob:
     seq: int = 0  # submission order (set by the manager): results apply in this order
     epoch: int = 0  # the manager's step when submitted (set by the manager)
     started_s: float = field(default_factory=time.perf_counter)
+    # Deadlines (tiering.deadline; set by the manager): ``future`` settles when the I/O returns
+    # or the deadline passes, whichever is first; ``io_future`` only when the I/O returns.
+    io_future: concurrent.futures.Future[Any] | None = None
+    timer: Timer | None = None
+    finished: bool = False  # the I/O returned (set under the manager's claim lock)
+    timed_out: bool = False  # the deadline passed first: the result, when it comes, is late
 
     def done(self) -> bool:
         return self.future is not None and self.future.done()
@@ -178,7 +187,17 @@ class SecondaryTier:
     ``policy`` is a registered policy name or an instance whose capacity is the backend's
     ``capacity_blocks``. ``max_inflight_jobs`` bounds the jobs in flight at once: over it, stores
     are shed (and counted) and promotions wait their turn. ``quarantine_seconds`` is how long a
-    key whose promotion failed is treated as absent.
+    key whose promotion failed is treated as absent. ``io_timeout_s`` is the deadline of each
+    job (see *Deadlines* below).
+
+    Deadlines. A job past ``io_timeout_s`` counts as failed (:meth:`time_out`): its keys are
+    misses, and the tier is *stalled* until every such job's I/O has returned
+    (:meth:`finish_late`): meanwhile it answers every key absent, takes no store (shed) and
+    starts no promotion. What a late job touched stays held until it returns: the primary rows
+    a store reads stay pinned, the slots a promotion fills stay allocated, its keys stay in the
+    index (absent to lookups, never evicted), so no late write lands in memory or under a key
+    that was reused. A late result never applies: a late store's keys are deleted from the
+    backend (a ``purge`` job) before the index forgets them.
     """
 
     #: Whether the backend's store is shared with other engine nodes (:mod:`tiering.shared_tier`).
@@ -195,6 +214,7 @@ class SecondaryTier:
         max_inflight_jobs: int = 4,
         quarantine_seconds: float = 10.0,
         quarantine_max_keys: int = 65536,
+        io_timeout_s: float = 30.0,
     ) -> None:
         self.backend = backend
         self.name = name or backend.name
@@ -221,8 +241,16 @@ class SecondaryTier:
             raise ConfigurationError(
                 f"tier {self.name!r}: max_inflight_jobs must be >= 1, got {max_inflight_jobs}"
             )
+        if not (isinstance(io_timeout_s, int | float) and 0 < io_timeout_s <= 86400):
+            raise ConfigurationError(
+                f"tier {self.name!r}: io_timeout_s must be a number of seconds in (0, 86400], "
+                f"got {io_timeout_s!r}"
+            )
         self.selective_min_lookups = selective_min_lookups
         self.max_inflight_jobs = max_inflight_jobs
+        self.io_timeout_s = float(io_timeout_s)
+        self._stuck_jobs = 0  # jobs past their deadline whose I/O has not returned
+        self._stuck: set[bytes] = set()  # keys of late stores: absent, kept until purged
         self._policy_spec = policy
         self._policy: EvictionPolicy | None = None
         #: Every key the index holds (READY, WRITING or quarantined), kept with the policy: a
@@ -326,17 +354,18 @@ class SecondaryTier:
             "capacity_blocks": self.backend.capacity_blocks,
             "block_bytes": self.backend.block_bytes,
             "max_inflight_jobs": self.max_inflight_jobs,
+            "io_timeout_s": self.io_timeout_s,
         }
 
     # -- metadata (manager thread only) -----------------------------------------------------------
 
     def state(self, key: bytes) -> TierKeyState:
-        """The key's state, without side effects."""
-        if self._policy is None or key not in self._policy:
+        """The key's state, without side effects (ABSENT for every key while stalled)."""
+        if self._stuck_jobs or self._policy is None or key not in self._policy:
             return TierKeyState.ABSENT
         if key in self._writing:
             return TierKeyState.WRITING
-        if key in self._quarantine:
+        if key in self._quarantine or (self._stuck and key in self._stuck):
             return TierKeyState.ABSENT
         return TierKeyState.READY
 
@@ -355,6 +384,16 @@ class SecondaryTier:
     @property
     def has_capacity_for_job(self) -> bool:
         return self.inflight_jobs < self.max_inflight_jobs
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a job ran past ``io_timeout_s`` and its I/O has not returned yet."""
+        return self._stuck_jobs > 0
+
+    @property
+    def serving(self) -> bool:
+        """Open and not stalled: the tier answers lookups and takes jobs."""
+        return self.status == "open" and not self._stuck_jobs
 
     # -- stores -----------------------------------------------------------------------------------
 
@@ -430,7 +469,7 @@ class SecondaryTier:
         self, kind: str, keys: Sequence[bytes], slots: Mapping[bytes, int], req_context: object
     ) -> TierJob | None:
         """The one store job: shed over the bound, reserve room (evicting), build the write."""
-        if not self.has_capacity_for_job:
+        if not self.has_capacity_for_job or self._stuck_jobs:
             self.metrics.stores_shed += len(keys)
             return None
         reserved = self._reserve(keys)
@@ -480,9 +519,10 @@ class SecondaryTier:
         to_write = [k for k in dict.fromkeys(keys) if k not in policy]
         if not to_write:
             return [], []
-        if len(to_write) > self.capacity_blocks:
+        capacity = self.backend.effective_capacity_blocks  # less when a disk guard shrinks it
+        if len(to_write) > capacity:
             return None
-        shortfall = len(policy) + len(to_write) - self.capacity_blocks
+        shortfall = len(policy) + len(to_write) - capacity
         victims: list[bytes] = []
         if shortfall > 0:
             chosen = policy.evict(shortfall, protected=set(keys))
@@ -515,7 +555,15 @@ class SecondaryTier:
         if not full:
             return StoreResult(stored, pairs, None)
         full_keys = [job.keys[i] for i in full]
-        victims = None if job.retried else self.policy.evict(len(full), protected=set(job.keys))
+        # Room for them, and down to the capacity the backend allows now (a disk guard may
+        # have shrunk it since the job was reserved).
+        wanted = max(len(full), len(self.policy) - self.backend.effective_capacity_blocks)
+        victims = None
+        if not job.retried:
+            protected = set(job.keys)
+            victims = self.policy.evict(wanted, protected=protected)
+            if victims is None and wanted > len(full):
+                victims = self.policy.evict(len(full), protected=protected)
         if victims is None:
             self._publish(full_keys, [FAILED] * len(full))
             return StoreResult(stored, pairs + [(job.keys[i], job.slots[i]) for i in full], None)
@@ -614,6 +662,95 @@ class SecondaryTier:
         metrics.promoted_blocks += len(loaded)
         return PromotionResult(loaded, failed, removed)
 
+    # -- deadlines (see the class docstring) ------------------------------------------------------
+
+    def time_out(self, job: TierJob) -> list[bytes]:
+        """``job`` ran past ``io_timeout_s``: count it failed, make its keys misses, and stall
+        the tier. Returns the keys the tier stops serving if this stalled it (for removal
+        events), else an empty list. What the job touched stays held until :meth:`finish_late`.
+        """
+        metrics = self.metrics
+        metrics.timed_out_jobs += 1
+        if job.kind in ("store", "write_back"):
+            metrics.store_failures += len(job.keys)
+            self._writing.difference_update(job.keys)
+            self._stuck.update(job.keys)
+        elif job.kind == "promote":
+            metrics.promotion_failures += len(job.keys)
+        self._stuck_jobs += 1
+        if self._stuck_jobs > 1:
+            return []
+        metrics.stalls += 1
+        logger.warning(
+            "tier %r stalled: a %s job of %d blocks ran past io_timeout_s=%gs; its blocks are "
+            "misses, and the tier serves and takes nothing until its I/O returns",
+            self.name,
+            job.kind,
+            len(job.keys),
+            self.io_timeout_s,
+        )
+        return self._ready_keys()
+
+    def note_slow_open(self, job: TierJob) -> None:
+        """Opening the backend (recovering its index) took longer than ``io_timeout_s``: the
+        manager stops waiting for it; the tier answers absent until it is open (its late
+        result is applied by :meth:`finish_open`)."""
+        self.metrics.timed_out_jobs += 1
+        logger.warning(
+            "tier %r is still opening after io_timeout_s=%gs (a slow or hung mount, or a large "
+            "index to recover); it serves nothing until it is open, the other tiers go on",
+            self.name,
+            self.io_timeout_s,
+        )
+
+    def finish_late(self, job: TierJob, result: object) -> tuple[TierJob | None, list[bytes]]:
+        """The I/O of a timed-out ``job`` returned: release what it held, never apply its
+        result. Returns a job that deletes a late store's keys from the backend (submit it;
+        :meth:`finish_purge` takes its result) or None, and the keys the tier serves again if
+        this ended the stall (for stored events), else an empty list."""
+        purge = None
+        if job.kind in ("store", "write_back", "promote"):
+            self.inflight_jobs -= 1
+        if job.kind in ("store", "write_back"):
+            purge = self._purge_job(job.keys)
+        elif job.kind == "promote":
+            policy = self._policy
+            for key in job.keys:
+                count = self._reading.pop(key, 1) - 1
+                if count:
+                    self._reading[key] = count
+                elif policy is not None and key in policy and key not in self._writing:
+                    policy.set_evictable(key, True)
+        self._stuck_jobs -= 1
+        if self._stuck_jobs:
+            return purge, []
+        logger.warning("tier %r recovered: its stalled I/O returned", self.name)
+        return purge, self._ready_keys()
+
+    def _purge_job(self, keys: Sequence[bytes]) -> TierJob | None:
+        """The job deleting a late store's keys from the backend (whatever the store did)."""
+        return TierJob("purge", self, tuple(keys), self._delete(keys))
+
+    def finish_purge(self, job: TierJob) -> None:
+        """A late store's keys are deleted from the backend (or the delete failed, which leaves
+        blocks the index does not name; never served): forget them."""
+        policy = self._policy
+        for key in job.keys:
+            if key in self._stuck:
+                self._stuck.discard(key)
+                if policy is not None and key in policy:
+                    policy.remove(key)
+                self.held.discard(key)
+
+    def _ready_keys(self) -> list[bytes]:
+        """The keys a lookup would find READY if the tier were not stalled."""
+        if self._policy is None:
+            return []
+        writing, quarantine, stuck = self._writing, self._quarantine, self._stuck
+        return [
+            k for k in self._policy if k not in writing and k not in quarantine and k not in stuck
+        ]
+
     # -- reset --------------------------------------------------------------------------------
 
     def start_clear(self) -> TierJob | None:
@@ -626,6 +763,7 @@ class SecondaryTier:
         self._reading.clear()
         self._dirty.clear()
         self._quarantine.clear()
+        self._stuck.clear()  # their late stores are purged from the backend all the same
         if not keys:
             return None
         return TierJob("delete", self, tuple(keys), self._delete(keys), removed=tuple(keys))

@@ -62,6 +62,7 @@ import cachetools
 import numpy as np
 import torch
 
+from tiering.deadline import JobTimedOut
 from tiering.errors import ConfigurationError, TieringError
 from tiering.groups import KVCacheSpec
 from tiering.io_loop import IOLoop
@@ -86,6 +87,7 @@ from tiering.protocol import (
     request_key,
 )
 from tiering.shared_tier import SharedTier
+from tiering.stalls import JobDeadlines, late_result
 from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
 
 __all__ = ["TieringOffloadingManager"]
@@ -133,7 +135,7 @@ class _LookupCounts:
 _Waiting = tuple[object, list[bytes], list[int] | None]
 
 
-class TieringOffloadingManager(OffloadingManager):
+class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     """A CPU primary tier plus ordered secondary tiers, behind the manager protocol.
 
     ``pool`` holds the primary tier's bytes: a ``(num_blocks, row_bytes)`` uint8 tensor, or an
@@ -143,7 +145,8 @@ class TieringOffloadingManager(OffloadingManager):
     until a tier is open its lookups answer "absent" (call :meth:`wait_ready` to wait); a tier
     that fails to open is degraded and the others go on serving. ``store_threshold`` is the
     primary's (``CPUOffloadingManager(..., store_threshold=N)``); promotions are not offers.
-    ``step_driven`` chooses when background results apply (see the module docstring).
+    ``step_driven`` chooses when background results apply (see the module docstring). Every
+    tier job has a deadline, its tier's ``io_timeout_s`` (:mod:`tiering.stalls`).
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.tiers:
             tier.attach(self._rows)
         self._io = IOLoop()
+        self._init_deadlines()
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._jobs: set[TierJob] = set()  # submitted, results not applied yet
         self._done: list[_Finished] = []  # finished, not applied yet
@@ -278,20 +282,25 @@ class TieringOffloadingManager(OffloadingManager):
         job.seq = self._next_seq
         job.epoch = self._epoch
         self._next_seq += 1
-        job.future = self._io.submit(self._run_job(job, on_done))
+        self._settle_new_job(job, on_done)  # its future, and its deadline
+        try:
+            job.io_future = self._io.submit(self._run_job(job, on_done))
+        except BaseException:
+            if job.timer is not None:
+                job.timer.cancel()
+            raise
         self._jobs.add(job)
 
     async def _run_job(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
         """Run ``job.io`` on the I/O loop and queue its result before the job's future completes
-        (so a caller that sees the future done finds the result queued)."""
+        (so a caller that sees the future done finds the result queued); a result past the
+        job's deadline is queued as late (:mod:`tiering.stalls`)."""
         try:
             result: object = await job.io
         except BaseException as exc:  # the tiers return their failures; queue anything else too
-            self._finished.put((on_done, job, exc))
-            self._results_queued = True
+            self._queue_result(job, on_done, exc)
             raise
-        self._finished.put((on_done, job, result))
-        self._results_queued = True  # after the put: the caller clears it before draining
+        self._queue_result(job, on_done, result)
 
     def _collect(self, block_until_all: float | None = None) -> None:
         """Move finished jobs from the I/O thread's queue to ``_done``. With
@@ -302,10 +311,10 @@ class TieringOffloadingManager(OffloadingManager):
             done.append(finished.get_nowait())
         if block_until_all is None:
             return
-        while len(done) < len(self._jobs):
+        while self._uncollected() > 0:
             remaining = block_until_all - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{len(self._jobs) - len(done)} tiering job(s) still in flight")
+                raise TimeoutError(f"{self._uncollected()} tiering job(s) still in flight")
             try:
                 done.append(finished.get(timeout=min(remaining, 3600.0)))
             except queue.Empty:
@@ -324,7 +333,12 @@ class TieringOffloadingManager(OffloadingManager):
             ready.sort(key=lambda item: item[1].seq)
             for on_done, job, result in ready:
                 self._jobs.discard(job)
-                on_done(job, result)
+                if type(result) is JobTimedOut:
+                    self._apply_timeout(job, on_done, result)
+                elif on_done is late_result:
+                    self._late_done(job, result)
+                else:
+                    on_done(job, result)
         if self._waiting:
             self._start_waiting_promotions()
 
@@ -716,6 +730,8 @@ class TieringOffloadingManager(OffloadingManager):
                 keys = self._check_shared(keys, req_context)
             if not keys:
                 continue
+            if self.tiers[index].stalled:
+                continue  # it serves nothing until its I/O returns: the keys are misses
             if not self.tiers[index].has_capacity_for_job:
                 self._wait_for_job_slot(index, keys, req_context)  # loads wait; stores are shed
                 continue
@@ -778,6 +794,8 @@ class TieringOffloadingManager(OffloadingManager):
             self._wait_for_job_slot(self._shared_index, keys, job.req_context)
 
     def _wait_for_job_slot(self, index: int, keys: list[bytes], req_context: object) -> None:
+        if self.tiers[index].stalled:
+            return  # no slot frees up while stalled: the keys are misses
         self._waiting.setdefault(index, []).append((req_context, keys, None))
         for key in keys:
             self._promoting[key] = index
@@ -785,6 +803,13 @@ class TieringOffloadingManager(OffloadingManager):
     def _start_waiting_promotions(self) -> None:
         for index in list(self._waiting):
             tier = self.tiers[index]
+            if tier.stalled:  # it serves nothing until its I/O returns: give the keys up
+                for _context, keys, slots in self._waiting.pop(index):
+                    for key in keys:
+                        self._promoting.pop(key, None)
+                    if slots is not None:  # reserved, never read into: free them
+                        self.primary.complete_store(cast("list[OffloadKey]", keys), success=False)
+                continue
             if not tier.has_capacity_for_job:
                 continue
             entries = self._waiting.pop(index)  # a promotion may queue itself again meanwhile
@@ -1068,10 +1093,14 @@ class TieringOffloadingManager(OffloadingManager):
         }
         for tier in self.tiers:
             out[tier.name] = {
-                "status": tier.status,
+                "status": "stalled" if tier.stalled else tier.status,
+                "stalled": tier.stalled,
                 "open_error": tier.open_error,
                 "blocks": len(tier),
                 "capacity_blocks": tier.capacity_blocks if tier.is_open else 0,
+                "effective_capacity_blocks": (
+                    tier.backend.effective_capacity_blocks if tier.is_open else 0
+                ),
                 "inflight_jobs": tier.inflight_jobs,
                 **tier.metrics.counters(),
                 "backend": vars(tier.backend.stats),
@@ -1098,9 +1127,11 @@ class TieringOffloadingManager(OffloadingManager):
                 return
 
     def wait_ready(self, timeout: float | None = 60.0) -> None:
-        """Block until every tier is open and indexed, or degraded: a tier that fails to open
-        does not raise here (see the class docstring; ``metrics()[name]["status"]`` and
-        ``["open_error"]`` say which and why). Raises ``TimeoutError`` after ``timeout`` s."""
+        """Block until every tier is open and indexed, or degraded, or still opening past its
+        ``io_timeout_s`` (it then comes online when its open finishes; meanwhile it answers
+        absent). A tier that fails to open does not raise here (see the class docstring;
+        ``metrics()[name]["status"]`` and ``["open_error"]`` say which and why). Raises
+        ``TimeoutError`` after ``timeout`` s."""
         self.wait_idle(timeout)
 
     async def drain(self) -> None:
@@ -1109,7 +1140,7 @@ class TieringOffloadingManager(OffloadingManager):
         while True:
             self._flush_promotions()
             self._collect()
-            while len(self._done) < len(self._jobs):
+            while self._uncollected() > 0:
                 await self._wait_any()
                 self._collect()
             self._process_finished()
@@ -1183,6 +1214,8 @@ class TieringOffloadingManager(OffloadingManager):
             return
         await self.drain()
         for tier in self.tiers:
+            if tier.stalled:
+                continue  # its close would wait for the stalled I/O
             try:
                 await asyncio.wrap_future(self._io.submit(tier.start_close().io))
             except Exception:  # closing the rest matters more
@@ -1194,6 +1227,13 @@ class TieringOffloadingManager(OffloadingManager):
         first, so no late write lands in a reused slot."""
         self._check_open()
         self.wait_idle()
+        stalled = [t.name for t in self.tiers if t.stalled]
+        if stalled:
+            raise TieringError(
+                f"reset_cache: tier(s) {stalled} are stalled (I/O past io_timeout_s still in "
+                "flight, reading or filling primary rows); resetting would let it land in "
+                "reused memory. Nothing was reset: call it again once they recover"
+            )
         self.primary.reset_cache()
         self._pull_primary_events()
         self._draining.clear()
@@ -1218,6 +1258,8 @@ class TieringOffloadingManager(OffloadingManager):
             self.wait_idle()
         finally:
             for tier in self.tiers:
+                if tier.stalled:
+                    continue  # its close would wait for the stalled I/O
                 try:
                     self._io.submit(tier.start_close().io).result(timeout=60)
                 except Exception:  # closing the rest matters more
@@ -1225,7 +1267,9 @@ class TieringOffloadingManager(OffloadingManager):
             self._finish_close()
 
     def _finish_close(self) -> None:
-        self._closed = True
+        with self._claim:  # no deadline fires into a closed manager
+            self._closed = True
+        self._close_deadlines()
         self._lookups.guarded = True
         self._io.close()
         self.primary.shutdown()
@@ -1246,6 +1290,8 @@ class TieringOffloadingManager(OffloadingManager):
         io = getattr(self, "_io", None)
         if io is not None and not getattr(self, "_closed", True):
             io.close(timeout=0)
+        if getattr(self, "_deadlines", None) is not None:
+            self._close_deadlines(wait=False)
 
 
 def _ignore_result(job: TierJob, result: object) -> None:

@@ -131,6 +131,11 @@ class StorageBackend(ABC):
     #: Glob patterns of the files the backend creates in its directory (``path``): all that
     #: tiering ever deletes there (see :mod:`tiering.backends.ownership`).
     owned_files: ClassVar[tuple[str, ...]] = ()
+    #: What the backend holds an exclusive ``flock`` on while open, relative to its directory
+    #: (``"."``: the directory itself). ``tiering wipe``, ``replay --fresh`` and recovery take
+    #: these first and refuse a tier a live process holds
+    #: (:mod:`tiering.backends.tier_lock`). A backend that keeps files must hold one.
+    lock_files: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def recognizes_directory(cls, path: Path) -> bool:
@@ -174,6 +179,13 @@ class StorageBackend(ABC):
     @abstractmethod
     def capacity_blocks(self) -> int:
         """How many blocks of ``block_bytes`` fit; the owning tier's policy capacity."""
+
+    @property
+    def effective_capacity_blocks(self) -> int:
+        """How many blocks it may hold now (<= ``capacity_blocks``): less when a disk guard
+        (``min_free_bytes``, :mod:`tiering.backends.disk_guard`) sees the filesystem fill. The
+        owning tier evicts down to it before writing. Cheap: the last sample, no I/O."""
+        return self.capacity_blocks
 
     @property
     @abstractmethod

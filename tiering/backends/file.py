@@ -113,7 +113,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import heapq
 import json
 import logging
@@ -150,6 +149,7 @@ from tiering.backends.block_format import (
     unpack_header,
     verify_block,
 )
+from tiering.backends.disk_guard import DiskGuard, allocated_bytes
 from tiering.backends.lanes import run_in_lanes
 from tiering.backends.ownership import (
     LayoutMismatchError,
@@ -167,6 +167,7 @@ from tiering.backends.ownership import (
     write_marker,
 )
 from tiering.backends.settings import Durability, RecoverMode
+from tiering.backends.tier_lock import lock_exclusive
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -439,6 +440,7 @@ class FileBackend(StorageBackend):
         MANIFEST_NAME,
         f"{_TMP_PREFIX}*{_TMP_SUFFIX}",
     )
+    lock_files: ClassVar[tuple[str, ...]] = (".",)
 
     def __init__(
         self,
@@ -453,6 +455,8 @@ class FileBackend(StorageBackend):
         io_threads: int = 2,
         batch_blocks: int = 16,
         on_layout_mismatch: MismatchPolicy = "refuse",
+        min_free_bytes: int | None = None,
+        max_fs_used_fraction: float | None = None,
         read_only: bool = False,
         layout_description: Mapping[str, Any] | None = None,
         file_ops: FileOps | None = None,
@@ -500,7 +504,10 @@ class FileBackend(StorageBackend):
         self.batch_blocks = batch_blocks
         self._ops = file_ops or FileOps()
         self._capacity_bytes = capacity_bytes
+        # The disk guard (tiering.backends.disk_guard): the slots the disk allows now.
+        self._guard = DiskGuard.build(Path(path), min_free_bytes, max_fs_used_fraction)
         self._capacity_blocks = capacity_bytes // self.slot_bytes
+        self._allowed_blocks = self._capacity_blocks
         self._payload_area_bytes = self.slot_bytes - HEADER_AREA_BYTES
         self._pad_bytes = self._payload_area_bytes - block_bytes  # between payload and next slot
         self._zero_pad = memoryview(bytes(self._pad_bytes))
@@ -786,12 +793,10 @@ class FileBackend(StorageBackend):
         at a time decides what happens to its files."""
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            lock_exclusive(fd, self.path, what="the file backend's directory")
+        except BaseException:
             os.close(fd)
-            raise BackendError(
-                f"{str(self.path)!r} is in use by another FileBackend (flock: {exc})"
-            ) from exc
+            raise
         self._dir_fd = fd
 
     def _slot_file_bytes(self) -> int:
@@ -952,26 +957,45 @@ class FileBackend(StorageBackend):
             hint = " (does this file system support O_DIRECT?)" if self.o_direct else ""
             raise BackendError(f"cannot open the slot file {path!r}: {exc}{hint}") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            lock_exclusive(fd, self.path, what="the file backend's slot file in")
+        except BaseException:
             self._ops.close(fd)
-            raise BackendError(
-                f"{str(self.path)!r} is in use by another FileBackend (flock: {exc})"
-            ) from exc
+            raise
         return fd
 
     def _preallocate(self, size: int) -> None:
         total = self._capacity_blocks * self.slot_bytes
+        reserve = total
+        if self._guard is not None:  # reserve no more than the disk allows: the rest is sparse
+            reserve = min(total, self._refresh_guard() * self.slot_bytes)
         try:
             if size != total:
                 self._ops.ftruncate(self._fd, total)
-            self._ops.fallocate(self._fd, 0, total)
+            if reserve:
+                self._ops.fallocate(self._fd, 0, reserve)
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV, errno.ESPIPE):
                 return  # no fallocate here: the file stays sparse; ENOSPC becomes FAILED
             raise BackendError(
                 f"cannot preallocate {total} bytes for {str(self.slots_path)!r}: {exc}"
             ) from exc
+
+    def _refresh_guard(self) -> int:
+        """Sample the disk guard (an I/O thread): the slots the tier may use now."""
+        assert self._guard is not None
+        try:
+            occupied = allocated_bytes(self._fd) if self._fd >= 0 else 0
+            allowed = self._guard.allowed_blocks(occupied, block_bytes=self.slot_bytes)
+        except OSError as exc:  # cannot tell: keep the last answer
+            logger.warning("file backend %s: disk guard cannot read the filesystem: %s",
+                           self.path, exc)  # fmt: skip
+            return self._allowed_blocks
+        self._allowed_blocks = min(self._capacity_blocks, allowed)
+        return self._allowed_blocks
+
+    @property
+    def effective_capacity_blocks(self) -> int:
+        return min(self._capacity_blocks, self._allowed_blocks)
 
     # -- recovery --------------------------------------------------------------------------------
 
@@ -1095,8 +1119,12 @@ class FileBackend(StorageBackend):
         checked = check_keys(keys, max_bytes=MAX_KEY_BYTES)
         views = self._check_buffers(values, len(checked), writable=False)
         results = [Outcome.FULL] * len(checked)
+        wanted = len(checked)
+        if self._guard is not None:  # past what the disk allows: FULL (the tier evicts)
+            allowed = await self._call(self._refresh_guard)
+            wanted = min(wanted, max(0, allowed - len(self._index)))
         # Per-block work on the loop thread delays the first write: kept to the bare minimum.
-        slots = self._slots.allocate_many(len(checked))
+        slots = self._slots.allocate_many(wanted)
         first_seq = self._seq + 1
         self._seq += len(slots)
         bounce = self._needs_bounce

@@ -142,6 +142,7 @@ from tiering.backends.block_format import (
     verify_block,
 )
 from tiering.backends.block_format import pack_header as _pack_header
+from tiering.backends.disk_guard import DiskGuard, allocated_bytes
 from tiering.backends.lanes import LaneStep, run_in_lanes
 from tiering.backends.lmdb_check import check_data_file
 from tiering.backends.ownership import (
@@ -161,6 +162,7 @@ from tiering.backends.ownership import (
     write_marker,
 )
 from tiering.backends.settings import RecoverMode
+from tiering.backends.tier_lock import lock_exclusive
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
 from tiering.keys import check_keys
 
@@ -346,13 +348,10 @@ class _DirectoryLock:
         else:
             self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            lock_exclusive(self._fd, Path(directory), what="the LMDB backend's directory")
+        except BaseException:
             os.close(self._fd)
-            raise BackendError(
-                f"LMDB directory {directory!r} is in use by another backend "
-                f"(in this process or another); one directory serves one backend"
-            ) from None
+            raise
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -451,6 +450,8 @@ class LMDBBackend(StorageBackend):
         _DATA_FILE + _DAMAGED_SUFFIX,
         _LOCK_FILE,
     )
+    # Writable: the lock file; read-only without one: the directory (_DirectoryLock).
+    lock_files: ClassVar[tuple[str, ...]] = (_LOCK_FILE, ".")
 
     def __init__(
         self,
@@ -469,6 +470,8 @@ class LMDBBackend(StorageBackend):
         max_txn_bytes: int = 64 << 20,
         map_size_bytes: int | None = None,
         on_layout_mismatch: MismatchPolicy = "refuse",
+        min_free_bytes: int | None = None,
+        max_fs_used_fraction: float | None = None,
         read_only: bool = False,
         layout_description: Mapping[str, Any] | None = None,
     ) -> None:
@@ -514,6 +517,11 @@ class LMDBBackend(StorageBackend):
         if map_size_bytes is not None:
             _check_int("map_size_bytes", map_size_bytes, 1)
         self._map_size_override = map_size_bytes
+        # The disk guard (tiering.backends.disk_guard): the map is capped at what the disk
+        # allows, so LMDB answers MapFullError (FULL: the tier evicts) before ENOSPC.
+        self._guard = DiskGuard.build(self.path, min_free_bytes, max_fs_used_fraction)
+        self._allowed_blocks = self._geometry.capacity_blocks
+        self._guard_map_bytes = 0  # the map size the guard last asked for
 
         self._state: Literal["closed", "opening", "open", "closing"] = "closed"
         self._pid = os.getpid()
@@ -582,6 +590,10 @@ class LMDBBackend(StorageBackend):
     @property
     def usage_bytes(self) -> int:
         return len(self._index) * self._geometry.footprint_bytes
+
+    @property
+    def effective_capacity_blocks(self) -> int:
+        return min(self._geometry.capacity_blocks, self._allowed_blocks)
 
     @property
     def is_open(self) -> bool:
@@ -894,6 +906,8 @@ class LMDBBackend(StorageBackend):
                     self._check_readers(self._env)
 
     def _run_group(self, jobs: list[_Job]) -> None:
+        if self._guard is not None and any(job.kind == "put" for job in jobs):
+            self._apply_disk_guard()
         ops: list[_Op] = []
         for job in jobs:
             job.results = [
@@ -1008,7 +1022,7 @@ class LMDBBackend(StorageBackend):
             try:
                 if job.kind == "put" and not cleanup:
                     assert job.values is not None
-                    if not present and count >= self._geometry.capacity_blocks:
+                    if not present and count >= self.effective_capacity_blocks:
                         job.results[i] = Outcome.FULL
                         continue
                     txn.put(key, self._encode(key, job.values[i]))
@@ -1101,6 +1115,30 @@ class LMDBBackend(StorageBackend):
                 _log.error("LMDB tick transaction failed at %s: %s", self.path, exc)
                 return False
         return False
+
+    def _apply_disk_guard(self) -> None:
+        """Cap the map (and the capacity the tier sees) at what the disk allows now: the data
+        file's allocated bytes plus the guard's headroom (writer thread)."""
+        assert self._guard is not None and self._env is not None
+        g = self._geometry
+        try:
+            limit = self._guard.allowed_bytes(allocated_bytes(os.path.join(self.path, _DATA_FILE)))
+        except OSError as exc:  # cannot tell: keep the last limits
+            _log.warning("LMDB at %s: disk guard cannot read the filesystem: %s", self.path, exc)
+            return
+        leaf = _NODE_HEADER_BYTES + MAX_KEY_BYTES + _PGNO_BYTES + _NODE_SLOT_BYTES
+        tree_bytes = (_FIXED_OVERHEAD_PAGES + 16) * g.page_bytes + 2 * leaf * g.capacity_blocks
+        self._allowed_blocks = max(0, (limit - tree_bytes) // g.footprint_bytes)
+        want = max(g.page_bytes * _GROW_PAGES, min(self.map_size_bytes, limit))
+        want -= want % g.page_bytes
+        if abs(self._guard_map_bytes - want) >= _GROW_PAGES * g.page_bytes:  # not every page
+            try:
+                with self._gate.exclusive():
+                    self._env.set_mapsize(want)  # LMDB keeps it >= the pages in use
+            except lmdb.Error as exc:
+                _log.error("LMDB map resize failed at %s: %s", self.path, exc)
+                return
+            self._guard_map_bytes = want
 
     def _grow_map(self) -> bool:
         """Grow the map by a few pages, with no read transaction active (LMDB requires it)."""

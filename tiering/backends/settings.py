@@ -129,6 +129,21 @@ class FileSettings:
         metadata={"min": 1, "max": 1024, "doc": "blocks per pwritev/preadv chunk"},
     )
     on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
+    min_free_bytes: int | None = field(
+        default=None,
+        metadata={
+            "doc": "disk guard: keep at least this much of the filesystem free (the tier "
+            "shrinks, evicting, as other data fills it); null: no guard"
+        },
+    )
+    max_fs_used_fraction: float | None = field(
+        default=None,
+        metadata={
+            "min": 0.01,
+            "max": 1.0,
+            "doc": "disk guard: keep the filesystem's use at or below this fraction; null: none",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.o_direct and not hasattr(os, "O_DIRECT"):
@@ -160,6 +175,21 @@ class LMDBSettings:
         default=None, metadata={"doc": "LMDB map size; null derives it from capacity"}
     )
     on_layout_mismatch: MismatchPolicy = field(default="refuse", metadata={"doc": _MISMATCH_DOC})
+    min_free_bytes: int | None = field(
+        default=None,
+        metadata={
+            "doc": "disk guard: keep at least this much of the filesystem free (the tier "
+            "shrinks, evicting, as other data fills it); null: no guard"
+        },
+    )
+    max_fs_used_fraction: float | None = field(
+        default=None,
+        metadata={
+            "min": 0.01,
+            "max": 1.0,
+            "doc": "disk guard: keep the filesystem's use at or below this fraction; null: none",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.map_async and not self.writemap:

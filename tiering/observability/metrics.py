@@ -51,8 +51,20 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     # -- usage ---------------------------------------------------------------------------------
     MetricSpec("tiering_capacity_blocks", "gauge", "Blocks the tier can hold."),
     MetricSpec("tiering_used_blocks", "gauge", "Blocks the tier holds now."),
+    MetricSpec(
+        "tiering_effective_capacity_blocks",
+        "gauge",
+        "Blocks the tier may hold now: its capacity, less when a disk guard (min_free_bytes) "
+        "shrinks it (secondary tiers).",
+    ),
     MetricSpec("tiering_block_bytes", "gauge", "Bytes of one block (one CPU pool row)."),
     MetricSpec("tiering_inflight_jobs", "gauge", "Promotion and store jobs in flight."),
+    MetricSpec(
+        "tiering_stalled",
+        "gauge",
+        "1 while the tier is stalled (a job ran past io_timeout_s and its I/O has not "
+        "returned), else 0.",
+    ),
     # -- lookups -------------------------------------------------------------------------------
     MetricSpec(
         "tiering_lookups",
@@ -113,6 +125,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "tiering_corrupt_blocks",
         "counter",
         "Blocks that failed verification on read (never served; part of promotion failures).",
+    ),
+    MetricSpec(
+        "tiering_timed_out_jobs",
+        "counter",
+        "Jobs that ran past the tier's io_timeout_s (failed; their blocks are misses).",
     ),
     MetricSpec(
         "tiering_quarantined_keys",
@@ -237,8 +254,10 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
     labels = (tier.name, tier.medium)
     yield Sample("tiering_capacity_blocks", labels, counters["capacity_blocks"])
     yield Sample("tiering_used_blocks", labels, counters["blocks"])
+    yield Sample("tiering_effective_capacity_blocks", labels, counters["effective_capacity_blocks"])
     yield Sample("tiering_block_bytes", labels, row_bytes)
     yield Sample("tiering_inflight_jobs", labels, counters["inflight_jobs"])
+    yield Sample("tiering_stalled", labels, 1 if counters["stalled"] else 0)
     for name, key in (
         ("tiering_lookup_hits", "lookup_hits"),
         ("tiering_store_jobs", "store_jobs"),
@@ -252,6 +271,7 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
         ("tiering_full_retries", "full_retries"),
         ("tiering_corrupt_blocks", "corrupt_blocks"),
         ("tiering_quarantined_keys", "quarantined"),
+        ("tiering_timed_out_jobs", "timed_out_jobs"),
     ):
         yield Sample(name, labels, counters[key])
     yield Sample("tiering_failures", (*labels, "store"), counters["store_failures"])
