@@ -356,9 +356,10 @@ class TieringOffloadingManager(OffloadingManager):
                 if held is not None:
                     if key not in held:
                         return  # MISS
-                elif self._tiers_held is not None and not any(
-                    key in tier_keys for tier_keys in self._tiers_held
-                ):
+                elif self._tiers_held is not None:
+                    if not any(key in tier_keys for tier_keys in self._tiers_held):
+                        return  # MISS
+                elif self._tier_state(key)[0] is ABSENT:
                     return  # MISS
         self._begin_call(req_context)
 
@@ -886,17 +887,13 @@ class TieringOffloadingManager(OffloadingManager):
     ) -> LoadStoreSpec:
         """Pin primary-ready keys for a load; see :meth:`CPUOffloadingManager.prepare_load`.
 
-        Standalone, the results of finished I/O apply *after* the pins: applying them may start
-        promotions that evict, and a key a lookup just answered HIT must still be there."""
+        It applies no I/O results, even standalone: applying them may start promotions, which
+        evict, and every key a lookup answered HIT must still be there to pin."""
         if misplaced:
             reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
         self._check_open()
-        if self._batches and not self.step_driven:
-            request_key(req_context)  # _begin_call's check, before anything changes
-        spec = self.primary.prepare_load_checked(key_list)
-        self._begin_call(req_context)
-        return spec
+        return self.primary.prepare_load_checked(key_list)
 
     def complete_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
