@@ -928,6 +928,7 @@ class TieringOffloadingManager(OffloadingManager):
         if misplaced:
             reject_positional("prepare_store", misplaced, "req_context")
         key_list = check_keys(keys)
+        request_key(req_context)  # checked before anything changes (the store is the request's)
         self._begin_call(req_context)
         out = self.primary.prepare_store_checked(key_list, req_context)
         self._pull_primary_events()

@@ -520,6 +520,15 @@ class ManagerTests:
             manager.on_new_request({"req": 1})
         with pytest.raises(InvalidArgumentError, match="req_context"):
             manager.on_request_finished(["req"])
+        # A store's slots are its request's: one that cannot be named cannot store.
+        with pytest.raises(InvalidArgumentError, match="req_context"):
+            manager.prepare_store([k(1)], req_context={"req": 1})
+        self.assert_miss(manager, k(1))
+        out = manager.prepare_store([k(1)])
+        assert out is not None and out.keys_to_store == [k(1)]
+        with pytest.raises(InvalidArgumentError, match="req_context"):
+            manager.complete_store([k(1)], req_context=["req"])
+        assert manager.lookup_result(k(1)) is HIT_PENDING
 
     def test_schedule_end_and_pending_work(self, new_manager: ManagerFactory) -> None:
         manager = new_manager()
