@@ -1,14 +1,14 @@
 """Every call order the protocol allows serves the right bytes (issue 24).
 
 A hypothesis state machine drives a :class:`TieringOffloadingManager` over real file, LMDB and
-memory tiers (gated: tier I/O finishes when the machine says, in any order) with every public
-call, interleaving several requests: lookups, prefix lookups, loads, touches, stores completed
-with their keys, a subset or a superset of the offered keys (others' keys too), failed stores,
-step ends, events, resets. Keys are content-addressed, as in an engine: the only right bytes for
-a key are :func:`payload` of it. The machine checks the bytes of every load (when it is prepared
-and again when it completes), of every block a tier writes (read back from the backend) and of
-every block left at the end; and that a key a lookup answered HIT is still there for
-``prepare_load`` until a call that may evict.
+memory tiers (gated: tier I/O finishes when the machine says, in any order, or fails) with every
+public call, interleaving several requests: lookups, prefix lookups, loads, touches, stores
+completed with their keys, a subset or a superset of the offered keys (others' keys too), failed
+stores, step ends, events, resets. Keys are content-addressed, as in an engine: the only right
+bytes for a key are :func:`payload` of it. The machine checks the bytes of every load (when it
+is prepared and again when it completes), of every block a tier writes (read back from the
+backend) and of every block left at the end; and that a key a lookup answered HIT is still
+there for ``prepare_load`` until a call that may evict.
 
 ``make test`` runs a bounded number of examples; a longer search::
 
@@ -165,6 +165,7 @@ class CallOrders(RuleBasedStateMachine):
                     write_policy=write_policy,
                     selective_min_lookups=1,
                     max_inflight_jobs=max_inflight_jobs,
+                    quarantine_seconds=1e9,  # no clock in the test: a failed read stays out
                 )
             )
         self.step_driven = step_driven
@@ -407,7 +408,7 @@ class CallOrders(RuleBasedStateMachine):
     @precondition(lambda self: any(gate.parked for gate in self.gates))
     @rule(data=st.data(), calls=st.integers(1, 3))
     def tier_io_finishes(self, data: st.DataObject, calls: int) -> None:
-        """Some parked tier I/O calls finish, in an order the machine picks."""
+        """Some parked tier I/O calls finish, in an order the machine picks; some fail."""
         for _ in range(calls):
             parked = [
                 (gate, call)
@@ -417,7 +418,7 @@ class CallOrders(RuleBasedStateMachine):
             if not parked:
                 return
             gate, call = data.draw(st.sampled_from(parked))
-            gate.release(call)
+            gate.release(call, fail=data.draw(st.integers(0, 3)) == 3)
             wait_until_quiet(self.m.inflight_jobs, self.gates)
             if call.op == "put":
                 self.check_tier_blocks(gate, list(call.keys))

@@ -353,14 +353,13 @@ class TieringOffloadingManager(OffloadingManager):
                     return  # HIT
             elif not self._promoting or key not in self._promoting:
                 held = self._one_tier_held
-                if held is not None:
-                    if key not in held:
-                        return  # MISS
-                elif self._tiers_held is not None:
-                    if not any(key in tier_keys for tier_keys in self._tiers_held):
-                        return  # MISS
-                elif self._tier_state(key)[0] is ABSENT:
+                if held is not None and key not in held:
                     return  # MISS
+                tiers_held = self._tiers_held
+                if tiers_held is not None and not any(key in keys for keys in tiers_held):
+                    return  # MISS
+                if self._tier_state(key)[0] is ABSENT:
+                    return  # MISS (quarantined, or no tier is open)
         self._begin_call(req_context)
 
     def _check_open(self) -> None:

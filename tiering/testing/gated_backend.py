@@ -3,7 +3,8 @@ when, and in the order, a test says (not when the I/O thread happens to get ther
 
 :class:`GatedBackend` wraps any real backend (file, LMDB, memory, a plugin). While the gate is
 closed, each ``put``, ``get``, ``delete``, ``contains`` and ``exists`` call *parks* before it
-reaches the wrapped backend; :meth:`GatedBackend.release` lets one parked call through, and
+reaches the wrapped backend; :meth:`GatedBackend.release` lets one parked call through (or fails
+it without touching the wrapped backend: ``FAILED`` outcomes, or a ``BackendError``), and
 :func:`wait_until_quiet` waits until every job of a manager has either finished or parked again,
 so the manager's state is the same on every run of a test. ``open`` and ``close`` never park.
 :meth:`GatedBackend.read_back` reads blocks from the wrapped backend (on the manager's I/O
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
+from tiering.errors import BackendError
 from tiering.tier import TierJob
 
 __all__ = ["GatedBackend", "ParkedCall", "wait_until_quiet"]
@@ -33,7 +35,7 @@ class ParkedCall:
 
     op: str  # "put", "get", "delete", "contains", "exists"
     keys: tuple[bytes, ...]
-    _go: asyncio.Future[None]
+    _go: asyncio.Future[bool]  # its result: whether the call fails
     _loop: asyncio.AbstractEventLoop
 
 
@@ -65,7 +67,7 @@ class GatedBackend(StorageBackend):
             self._gated = False
             parked, self._parked = self._parked, []
         for call in parked:
-            call._loop.call_soon_threadsafe(_go, call._go)
+            call._loop.call_soon_threadsafe(_go, call._go, False)
 
     @property
     def parked(self) -> list[ParkedCall]:
@@ -73,11 +75,12 @@ class GatedBackend(StorageBackend):
         with self._lock:
             return list(self._parked)
 
-    def release(self, call: ParkedCall) -> None:
-        """Let one parked call through to the wrapped backend."""
+    def release(self, call: ParkedCall, *, fail: bool = False) -> None:
+        """Let one parked call through to the wrapped backend; with ``fail``, make it fail
+        instead (``put``/``get``: every outcome ``FAILED``; others raise ``BackendError``)."""
         with self._lock:
             self._parked.remove(call)
-        call._loop.call_soon_threadsafe(_go, call._go)
+        call._loop.call_soon_threadsafe(_go, call._go, fail)
 
     def read_back(self, keys: Sequence[bytes], timeout_s: float = 120.0) -> list[bytes | None]:
         """The bytes the wrapped backend holds under each key (None: it serves none), read on
@@ -95,12 +98,14 @@ class GatedBackend(StorageBackend):
     async def _pass(self, op: str, keys: Sequence[bytes], call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         with self._lock:
-            go: asyncio.Future[None] | None = None
+            go: asyncio.Future[bool] | None = None
             if self._gated:
                 go = loop.create_future()
                 self._parked.append(ParkedCall(op, tuple(keys), go, loop))
-        if go is not None:
-            await go
+        if go is not None and await go:
+            if op in ("put", "get"):
+                return [Outcome.FAILED] * len(keys)  # type: ignore[return-value]
+            raise BackendError(f"{op} of {len(keys)} key(s) failed (injected by the test)")
         return await call()
 
     # -- StorageBackend ---------------------------------------------------------------------------
@@ -148,9 +153,9 @@ class GatedBackend(StorageBackend):
         return await self._pass("exists", keys, lambda: self.inner.exists(keys))
 
 
-def _go(future: asyncio.Future[None]) -> None:
+def _go(future: asyncio.Future[bool], fail: bool) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(fail)
 
 
 def wait_until_quiet(
