@@ -2,10 +2,10 @@
 
 A hypothesis state machine drives a :class:`TieringOffloadingManager` over real file, LMDB and
 memory tiers (gated: tier I/O finishes when the machine says, in any order, or fails) with every
-public call, interleaving several requests: lookups, prefix lookups, loads, touches, stores
-completed with their keys, a subset or a superset of the offered keys (others' keys too), failed
-stores, step ends, events, resets. Keys are content-addressed, as in an engine: the only right
-bytes for a key are :func:`payload` of it. The machine checks the bytes of every load (when it
+public call, interleaving several requests: lookups (single, prefix, hybrid), loads, touches,
+stores completed with their keys, a subset or a superset of the offered keys (others' keys too),
+failed stores, step ends, events, resets. Keys are content-addressed, as in an engine: the only
+right bytes for a key are :func:`payload` of it. The machine checks the bytes of every load (when it
 is prepared and again when it completes), of every block a tier writes (read back from the
 backend) and of every block left at the end; and that a key a lookup answered HIT is still
 there for ``prepare_load`` until a call that may evict.
@@ -44,6 +44,7 @@ from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.lmdb import LMDBBackend
 from tiering.backends.memory import MemoryBackend
 from tiering.errors import ProtocolError
+from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.manager import CPUOffloadingManager
 from tiering.protocol import LookupResult
@@ -58,6 +59,11 @@ KEYS = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(5)]
 REQUESTS: list[Hashable] = ["a", "b", "c", None]
 EXAMPLES = int(os.environ.get("TIERING_PROPERTY_EXAMPLES", "150"))
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
+BLOCK_TOKENS = 16
+SPEC = KVCacheSpec(
+    groups=(KVCacheGroup(GroupKind.FULL_ATTENTION, BLOCK_TOKENS, (ROW_BYTES,)),),
+    hash_block_size=BLOCK_TOKENS,
+)
 
 
 def payload(key: bytes) -> np.ndarray:
@@ -252,6 +258,21 @@ class CallOrders(RuleBasedStateMachine):
         self.evicting_call()
         if count is not None:  # nothing promoted: the leading keys stay
             self.safe.update(keys[:count])
+
+    @rule(
+        req=st.sampled_from(REQUESTS),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    )
+    def lookup_request(self, req: Hashable, keys: list[OffloadKey]) -> None:
+        """The hybrid lookup (one full-attention group here), and the boolean ``lookup``."""
+        tokens = self.m.lookup_request(SPEC, [keys], BLOCK_TOKENS * len(keys) + 1, req_context=req)
+        self.evicting_call()
+        if tokens is not None:  # nothing promoted: the hit's keys stay
+            self.safe.update(keys[: tokens // BLOCK_TOKENS])
+        if self.m.lookup(keys[0], req_context=req) is True:
+            self.safe.add(keys[0])
+        else:
+            self.evicting_call()
 
     @rule(req=st.sampled_from(REQUESTS), keys=st.lists(st.sampled_from(KEYS), max_size=3))
     def touch(self, req: Hashable, keys: list[OffloadKey]) -> None:
