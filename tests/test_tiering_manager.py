@@ -361,7 +361,12 @@ def test_standalone_applies_results_at_the_next_call(harness_factory: type[Harne
     manager = h.manager
     assert manager.lookup_result(k(1), req_context="a") is RETRY
     assert manager.inflight_jobs() == []  # batched for request a
-    assert manager.lookup_result(k(9), req_context="b") is LookupResult.MISS  # b: a's batch goes
+    # A lookup answered at once (a MISS here, or a HIT) applies nothing and submits nothing:
+    # promotions evict, and a key a lookup answered HIT must stay there to load.
+    assert manager.lookup_result(k(9), req_context="b") is LookupResult.MISS
+    assert manager.inflight_jobs() == []
+    manager.complete_store([k(9)], req_context="b")  # b's next call: a's batch goes
+    assert [job.req_context for job in manager.inflight_jobs()] == ["a"]
     for job in manager.inflight_jobs():
         assert job.future is not None and job.req_context == "a"
         job.future.result()

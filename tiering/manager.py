@@ -7,8 +7,12 @@ the CPU pool, which blocks are being written or read, and the eviction order. Th
 It implements :class:`tiering.protocol.OffloadingManager`, whose docstring is the contract.
 
 Block states: a block is *not ready* while it is written, then *ready*, and a ready block may be
-*pinned* by loads. Only ready, unpinned blocks may be evicted. The state is kept in flat maps
-(key -> slot, key -> pin count, the set of keys not ready) rather than one object per block:
+*pinned* by loads. Only ready, unpinned blocks may be evicted. A block is written either by a
+store (``prepare_store`` handed its slot to one request, whose ``complete_store`` alone finishes
+it) or by a tiering manager's promotion (``reserve_for_promotion``, finished by
+``complete_promotion`` alone): a store never completes or frees a slot a read is filling. The
+state is kept in flat maps (key -> slot, key -> pin count, the set of keys not ready, key -> the
+request a store handed it to) rather than one object per block:
 a lookup is then a single probe of a dict plus one of a small set. Argument checks sit where they
 cost nothing when the types are right (a failed dict probe, one C pass over a batch).
 """
@@ -16,7 +20,7 @@ cost nothing when the types are right (a failed dict probe, one C pass over a ba
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import cast
@@ -39,6 +43,7 @@ from tiering.protocol import (
     PrepareStoreOutput,
     check_success,
     reject_positional,
+    request_key,
 )
 
 __all__ = ["CPUOffloadingManager", "EvictionHook"]
@@ -46,6 +51,9 @@ __all__ = ["CPUOffloadingManager", "EvictionHook"]
 #: Called with the ``(key, slot)`` pairs a store evicted and the request context of the call that
 #: evicted them; returns the slots that stay allocated until :meth:`release_slots`.
 EvictionHook = Callable[[list[tuple[OffloadKey, int]], object], set[int]]
+
+#: The owner of no store (a key no ``prepare_store`` handed out, or one a promotion fills).
+_NOBODY: object = object()
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
@@ -94,7 +102,10 @@ class CPUOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._slots: dict[OffloadKey, int] = {}  # every held key
         self._slots_view = MappingProxyType(self._slots)
-        self._not_ready: set[OffloadKey] = set()  # being written
+        self._not_ready: set[OffloadKey] = set()  # being written (by a store or a promotion)
+        # Keys prepare_store handed out and no complete_store finished yet, by the request key
+        # (request_key) of the call that got them; the other keys not ready are promotions'.
+        self._store_owner: dict[OffloadKey, Hashable] = {}
         self._pins: dict[OffloadKey, int] = {}  # ready keys pinned by loads (count > 0)
         self._next_fresh_slot = 0
         self._freed_slots: list[int] = []  # a stack: most recently freed on top
@@ -324,11 +335,15 @@ class CPUOffloadingManager(OffloadingManager):
         self, key_list: list[OffloadKey], req_context: object = None
     ) -> PrepareStoreOutput | None:
         """:meth:`prepare_store` of keys :func:`~tiering.keys.check_keys` already checked."""
+        owner = request_key(req_context)  # before anything is counted
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
         if self._offers is not None:
             to_store = self._admitted(key_list, to_store)
-        return self._reserve(key_list, to_store, req_context)
+        out = self._reserve(key_list, to_store, req_context)
+        if out is not None and out.keys_to_store:
+            self._store_owner.update(dict.fromkeys(out.keys_to_store, owner))
+        return out
 
     def _admitted(self, key_list: list[OffloadKey], to_store: list[OffloadKey]) -> list[OffloadKey]:
         """Count one offer per key of the call; keep the keys offered often enough."""
@@ -401,24 +416,42 @@ class CPUOffloadingManager(OffloadingManager):
         success: bool = True,
         req_context: object = None,
     ) -> None:
-        """Finish a store: make the written keys ready, or on failure drop those still not
-        ready and free their slots. Keys unknown or already ready are left alone."""
+        """Finish a store: of the listed keys, those ``prepare_store`` handed to this request
+        (``req_context``) and not completed yet become ready (``success``), or are dropped and
+        their slots freed. Every other key (unknown, ready, another request's, or being
+        promoted) is left alone."""
         if misplaced:
             reject_positional("complete_store", misplaced, "success and req_context")
         if success is not True and success is not False:
             check_success(success)
-        self._complete_store(check_keys(keys), success)
+        self.complete_store_checked(check_keys(keys), success, req_context)
 
-    def complete_store_ready(self, key_list: list[OffloadKey]) -> list[OffloadKey]:
-        """:meth:`complete_store` (success) of keys :func:`~tiering.keys.check_keys` already
-        checked; returns the keys it made ready, in order, once each."""
-        return self._complete_store(key_list, True)
-
-    def _complete_store(self, key_list: list[OffloadKey], success: bool) -> list[OffloadKey]:
-        not_ready = self._not_ready
-        done = [key for key in key_list if key in not_ready]  # unknown or ready: left alone
+    def complete_store_checked(
+        self, key_list: list[OffloadKey], success: bool, req_context: object = None
+    ) -> list[OffloadKey]:
+        """:meth:`complete_store` of keys :func:`~tiering.keys.check_keys` already checked;
+        returns the keys it finished, in order, once each."""
+        owner = request_key(req_context)
+        owners = self._store_owner
+        get = owners.get
+        done = [key for key in key_list if get(key, _NOBODY) == owner]
         if not done:
             return done
+        for key in done:
+            owners.pop(key, None)  # (a key listed twice is there once)
+        return self._finish_writes(done, success)
+
+    def complete_promotion(self, key_list: list[OffloadKey], success: bool) -> list[OffloadKey]:
+        """Finish reads from a lower tier into slots :meth:`reserve_for_promotion` reserved: the
+        listed keys still promoted become ready, or are dropped and their slots freed. Keys a
+        store is writing, and every other key, are left alone. Returns the keys finished."""
+        not_ready, owners = self._not_ready, self._store_owner
+        done = [key for key in key_list if key in not_ready and key not in owners]
+        return self._finish_writes(done, success) if done else done
+
+    def _finish_writes(self, done: list[OffloadKey], success: bool) -> list[OffloadKey]:
+        """Make ``done`` (keys being written, each owned by this call) ready, or drop them."""
+        not_ready = self._not_ready
         before = len(not_ready)
         not_ready.difference_update(done)
         if before - len(not_ready) != len(done):  # a key listed twice counts once
@@ -472,7 +505,9 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         """:meth:`prepare_store` for blocks read back from a lower tier: no admission count
         (a promotion is not an offer) and no argument checks (the keys are the tier's own).
-        ``protected`` keys are not evicted to make room (nor are ``keys``)."""
+        ``protected`` keys are not evicted to make room (nor are ``keys``). The keys it hands
+        out are finished by :meth:`complete_promotion` only, never by a store's
+        :meth:`complete_store`."""
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(keys) if k not in slots_of]
         if protected:
@@ -531,6 +566,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._emit(list(self._slots), removed=True)
         self._slots.clear()
         self._not_ready.clear()
+        self._store_owner.clear()
         self._pins.clear()
         self._policy.clear()
         self._next_fresh_slot = 0
@@ -542,5 +578,6 @@ class CPUOffloadingManager(OffloadingManager):
             self._closed = True
             self._slots.clear()
             self._not_ready.clear()
+            self._store_owner.clear()
             self._pins.clear()
             self._policy.clear()

@@ -182,22 +182,46 @@ class OffloadingManager(ABC):
         :meth:`lookup_prefix` and :meth:`lookup_request` answer None. Ask again at a later step.
     Block states and pins
         A key the manager holds is *being written* (from :meth:`prepare_store` until
-        :meth:`complete_store`) or *ready*. A ready key may be *pinned* by
-        :meth:`prepare_load`; pins count, and each :meth:`complete_load` takes one away. A key
-        being written or pinned is never evicted, and neither is any key of the
-        :meth:`prepare_store` call that is evicting. The slot numbers a manager hands out stay
-        the caller's to fill (store) or read (load) until the matching ``complete_*`` call.
+        :meth:`complete_store`, or while the manager reads it back from a lower tier: a
+        *promotion*) or *ready*. A ready key may be *pinned* by :meth:`prepare_load`; pins
+        count, and each :meth:`complete_load` takes one away. A key being written or pinned is
+        never evicted, and neither is any key of the :meth:`prepare_store` call that is
+        evicting. The slot numbers a manager hands out stay the caller's to fill (store) or
+        read (load) until the matching ``complete_*`` call.
+    Which keys each call acts on
+        :meth:`prepare_store` hands a slot to the calling request (``req_context``, see
+        *Requests*) for each key it returns in ``keys_to_store``, and only then.
+        :meth:`complete_store` acts only on those: the listed keys that a :meth:`prepare_store`
+        of the *same request* handed out and no :meth:`complete_store` finished yet. Any other
+        listed key (already ready, unknown, handed to another request, or being promoted) is
+        left alone, so a request may list every key it offered, a subset or a superset. A
+        failed store frees only its own slots, never one a promotion is filling. Two stores of
+        one request in flight at once share its keys: complete each with no key the other is
+        still copying. :meth:`prepare_load` pins exactly the listed keys;
+        :meth:`complete_load` unpins exactly them.
+    A HIT stays loadable
+        A key a lookup answered ``HIT`` (True) can be pinned by :meth:`prepare_load` until a
+        call that may evict: :meth:`prepare_store`, :meth:`complete_store`,
+        :meth:`complete_load`, :meth:`lookup_prefix`, :meth:`lookup_request`, a lookup that
+        answers ``RETRY`` or ``HIT_PENDING`` (it may start promotions, which make room),
+        :meth:`take_events`, :meth:`on_schedule_end`, :meth:`reset_cache`. Lookups answered
+        at once (``HIT``; ``MISS``, unless step driven), :meth:`touch` and
+        :meth:`prepare_load` itself evict nothing and apply no background result, however
+        background I/O was scheduled. (A step-driven lookup that finds a key only in a lower
+        tier reserves its promotion's slot at once, evicting; a ``MISS`` there may have
+        evicted for a write-back tier.)
     Ownership
         A manager owns its metadata; the caller owns the slots' bytes while a store or load it
         prepared is open. A secondary tier owns its own index and I/O; the primary tier's bytes
         are read or written by a tier only while the manager holds them for it.
     Requests
         ``req_context`` is opaque: any object the engine uses for a request. Where a manager
-        keeps per-request state (promotion batches), it keys it by ``req_context.req_id`` if the
-        context has one, else by the context itself (:func:`request_key`); a context that gives
-        no hashable key is rejected there (InvalidArgumentError, before anything is counted),
-        and accepted where no state is kept. ``None`` is one anonymous request. The request
-        hooks (:meth:`on_new_request`, :meth:`on_request_finished`) are optional for callers.
+        keeps per-request state (promotion batches, the slots a store handed out), it keys it
+        by ``req_context.req_id`` if the context has one, else by the context itself
+        (:func:`request_key`); a context that gives no hashable key is rejected there
+        (InvalidArgumentError, before anything is counted), and accepted where no state is
+        kept. ``None`` is one anonymous request. The request hooks (:meth:`on_new_request`,
+        :meth:`on_request_finished`) are optional for callers.
     Steps
         An engine that calls :meth:`on_schedule_end` at the end of each scheduler step gets
         deterministic answers if its manager is *step driven*: results of background I/O and
@@ -327,7 +351,9 @@ class OffloadingManager(ABC):
         Returns the keys to write (absent ones admitted by ``store_threshold``, in order, once
         each), their slots and the evicted keys; or None, with nothing changed but the offer
         counts, if not enough blocks can be evicted now (retry at a later step). Every key of
-        the call is protected from eviction, including those already stored.
+        the call is protected from eviction, including those already stored. The slots are the
+        calling request's: only its :meth:`complete_store` finishes them (see *Which keys each
+        call acts on*). InvalidArgumentError for a ``req_context`` that gives no hashable key.
 
         One exception: behind a write-back tier, evicting blocks the tier has not written yet
         starts their write-back, and the call answers None until their slots are free; those
@@ -342,9 +368,12 @@ class OffloadingManager(ABC):
         success: bool = True,
         req_context: object = None,
     ) -> None:
-        """Finish a store: the listed keys still being written become ready (``success``), or
-        are dropped and their slots freed (not ``success``). Keys unknown or already ready are
-        left alone. Raises InvalidArgumentError if ``success`` is not a bool."""
+        """Finish a store: of the listed keys, those a :meth:`prepare_store` of this request
+        (``req_context``) handed out and not completed yet become ready (``success``), or are
+        dropped and their slots freed (not ``success``). Every other key (unknown, ready,
+        another request's, being promoted) is left alone. Raises InvalidArgumentError if
+        ``success`` is not a bool, or for a ``req_context`` that gives no hashable key
+        (:func:`request_key`)."""
 
     # -- events, requests, steps, lifecycle --------------------------------------------------------
 

@@ -355,6 +355,27 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         if other_request:
             self._flush_promotions()
 
+    def _begin_lookup(self, key: bytes, req_context: object) -> None:
+        """:meth:`_begin_call` for a lookup, which applies nothing when it can answer without
+        I/O results: a key ready in the primary (HIT) or in no tier and not promoted (MISS).
+        Applying results may start promotions that evict; skipping it here keeps every key a
+        lookup answered HIT in the primary until a call that may evict (see
+        :meth:`prepare_load`), however the I/O thread was scheduled."""
+        if not self._closed:
+            if key in self._primary_slots:
+                if key not in self._primary_not_ready:
+                    return  # HIT
+            elif not self._promoting or key not in self._promoting:
+                held = self._one_tier_held
+                if held is not None and key not in held:
+                    return  # MISS
+                tiers_held = self._tiers_held
+                if tiers_held is not None and not any(key in keys for keys in tiers_held):
+                    return  # MISS
+                if self._tier_state(key)[0] is ABSENT:
+                    return  # MISS (quarantined, or no tier is open)
+        self._begin_call(req_context)
+
     def _check_open(self) -> None:
         if self._closed:
             raise TieringError("the manager is shut down")
@@ -396,7 +417,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
-            self._begin_call(req_context)
+            self._begin_lookup(key, req_context)
         # The primary's lookup_result, inline (the engine's hottest call): the key is bytes.
         if key in self._primary_slots:
             if key not in self._primary_not_ready:
@@ -431,7 +452,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
             or not self.step_driven
             and (self._batches or self._results_queued or self._done or self._waiting)
         ):
-            self._begin_call(req_context)  # (the same test as _begin_call's, inline: hot path)
+            self._begin_lookup(key, req_context)  # (_begin_call's test, inline: hot path)
         if key in self._primary_slots:  # the primary's lookup, inline: the key is bytes
             if key not in self._primary_not_ready:
                 counts.hits += 1
@@ -861,7 +882,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
             gone = [k for k in keys if k not in readable]
             for key in gone:
                 self._promoting.pop(key, None)
-            self.primary.complete_store(cast("list[OffloadKey]", gone), success=False)
+            self.primary.complete_promotion(cast("list[OffloadKey]", gone), False)
             pairs = [(k, s) for k, s in zip(keys, slots, strict=True) if k in readable]
             keys, slots = [k for k, _ in pairs], [s for _, s in pairs]
             if not keys:
@@ -877,9 +898,9 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         for key in job.keys:
             self._promoting.pop(key, None)
         if outcome.loaded:
-            self.primary.complete_store(cast("list[OffloadKey]", outcome.loaded))
+            self.primary.complete_promotion(cast("list[OffloadKey]", outcome.loaded), True)
         if outcome.failed:
-            self.primary.complete_store(cast("list[OffloadKey]", outcome.failed), success=False)
+            self.primary.complete_promotion(cast("list[OffloadKey]", outcome.failed), False)
         self._pull_primary_events()
         self._emit(job.tier, outcome.removed, removed=True)
 
@@ -888,11 +909,14 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     def prepare_load(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> LoadStoreSpec:
-        """Pin primary-ready keys for a load; see :meth:`CPUOffloadingManager.prepare_load`."""
+        """Pin primary-ready keys for a load; see :meth:`CPUOffloadingManager.prepare_load`.
+
+        It applies no I/O results, even standalone: applying them may start promotions, which
+        evict, and every key a lookup answered HIT must still be there to pin."""
         if misplaced:
             reject_positional("prepare_load", misplaced, "req_context")
         key_list = check_keys(keys)
-        self._begin_call(req_context)
+        self._check_open()
         return self.primary.prepare_load_checked(key_list)
 
     def complete_load(
@@ -907,11 +931,12 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> None:
-        """Most recent use in every tier; the first key ends most recent."""
+        """Most recent use in every tier; the first key ends most recent. It applies no I/O
+        results (that could evict a key a lookup just answered HIT: see :meth:`prepare_load`)."""
         if misplaced:
             reject_positional("touch", misplaced, "req_context")
         key_list = check_keys(keys)
-        self._begin_call(req_context)
+        self._check_open()
         self.primary.touch_checked(key_list)
         for tier in self.tiers:
             tier.touch(key_list)
@@ -927,6 +952,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         if misplaced:
             reject_positional("prepare_store", misplaced, "req_context")
         key_list = check_keys(keys)
+        request_key(req_context)  # checked before anything changes (the store is the request's)
         self._begin_call(req_context)
         out = self.primary.prepare_store_checked(key_list, req_context)
         self._pull_primary_events()
@@ -939,21 +965,20 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         success: bool = True,
         req_context: object = None,
     ) -> None:
-        """Finish a primary store, then cascade the new blocks to the tiers by write policy."""
+        """Finish a primary store (only the keys ``prepare_store`` handed to this request: see
+        :meth:`CPUOffloadingManager.complete_store`), then cascade the keys it made ready to the
+        tiers by write policy."""
         if misplaced:
             reject_positional("complete_store", misplaced, "success and req_context")
         if success is not True and success is not False:
             check_success(success)
         key_list = check_keys(keys)
+        request_key(req_context)  # checked before anything changes
         self._begin_call(req_context)
         primary = self.primary
-        if not success or not self.tiers:
-            primary.complete_store(key_list, success=success)
-            self._pull_primary_events()
-            return
-        ready = primary.complete_store_ready(key_list)  # those made ready, once each
+        ready = primary.complete_store_checked(key_list, success, req_context)
         self._pull_primary_events()
-        if not ready:
+        if not success or not ready or not self.tiers:
             return
         slots = cast("Mapping[bytes, int]", primary.slots)
         for tier in self.tiers:

@@ -392,6 +392,27 @@ class ManagerTests:
         out = manager.prepare_store([k(4), k(5), k(6)])  # the freed slots are free again
         assert out is not None and out.evicted_keys == []
 
+    def test_complete_store_finishes_only_the_requests_own_keys(
+        self, new_manager: ManagerFactory
+    ) -> None:
+        """Another request that offered the same key, was handed nothing for it and completes
+        every key it offered (or fails them) leaves the key to the request writing it."""
+        manager = new_manager()
+        mine = manager.prepare_store([k(1)], req_context="a")
+        assert mine is not None and mine.keys_to_store == [k(1)]
+        other = manager.prepare_store([k(1), k(2)], req_context="b")
+        assert other is not None and other.keys_to_store == [k(2)]
+        self.write_payloads(manager, other)
+        manager.complete_store([k(1), k(2)], req_context="b")
+        assert manager.lookup_result(k(1)) is HIT_PENDING  # a's, not written yet
+        assert manager.lookup_result(k(2)) is HIT
+        manager.complete_store([k(1)], success=False, req_context="b")
+        assert manager.lookup_result(k(1)) is HIT_PENDING  # b cannot free a's slot either
+        self.write_payloads(manager, mine)
+        manager.complete_store([k(1)], req_context="a")
+        assert manager.lookup_result(k(1)) is HIT
+        self.load_exact(manager, [k(1), k(2)])
+
     def test_complete_store_of_unknown_keys_is_ignored(self, new_manager: ManagerFactory) -> None:
         manager = new_manager()
         manager.complete_store([k(7)])
@@ -499,6 +520,15 @@ class ManagerTests:
             manager.on_new_request({"req": 1})
         with pytest.raises(InvalidArgumentError, match="req_context"):
             manager.on_request_finished(["req"])
+        # A store's slots are its request's: one that cannot be named cannot store.
+        with pytest.raises(InvalidArgumentError, match="req_context"):
+            manager.prepare_store([k(1)], req_context={"req": 1})
+        self.assert_miss(manager, k(1))
+        out = manager.prepare_store([k(1)])
+        assert out is not None and out.keys_to_store == [k(1)]
+        with pytest.raises(InvalidArgumentError, match="req_context"):
+            manager.complete_store([k(1)], req_context=["req"])
+        assert manager.lookup_result(k(1)) is HIT_PENDING
 
     def test_schedule_end_and_pending_work(self, new_manager: ManagerFactory) -> None:
         manager = new_manager()
