@@ -65,6 +65,10 @@ SPEC = KVCacheSpec(
     hash_block_size=BLOCK_TOKENS,
 )
 
+# The gate holds tier I/O as long as an example needs: no job may time out meanwhile
+# (deadlines have their own tests in test_tier_deadlines.py).
+NO_DEADLINE_S = 86400.0
+
 
 def payload(key: bytes) -> np.ndarray:
     """The one right content of ``key``'s block."""
@@ -172,6 +176,7 @@ class CallOrders(RuleBasedStateMachine):
                     selective_min_lookups=1,
                     max_inflight_jobs=max_inflight_jobs,
                     quarantine_seconds=1e9,  # no clock in the test: a failed read stays out
+                    io_timeout_s=NO_DEADLINE_S,
                 )
             )
         self.step_driven = step_driven
@@ -476,7 +481,9 @@ def test_a_hit_stays_loadable_while_tier_io_finishes(between: str) -> None:
     pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
     rows = pool.numpy()
     manager = TieringOffloadingManager(
-        CPUOffloadingManager(2), [SecondaryTier(gate, max_inflight_jobs=1)], pool=pool
+        CPUOffloadingManager(2),
+        [SecondaryTier(gate, max_inflight_jobs=1, io_timeout_s=NO_DEADLINE_S)],
+        pool=pool,
     )
     try:
         manager.wait_ready()
@@ -519,7 +526,10 @@ def test_another_requests_complete_store_leaves_a_promotion_alone() -> None:
         pool = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
         rows = pool.numpy()
         manager = TieringOffloadingManager(
-            CPUOffloadingManager(2), [SecondaryTier(gate)], pool=pool, step_driven=True
+            CPUOffloadingManager(2),
+            [SecondaryTier(gate, io_timeout_s=NO_DEADLINE_S)],
+            pool=pool,
+            step_driven=True,
         )
         try:
             manager.wait_ready()
