@@ -190,6 +190,13 @@ class ARCPolicy(EvictionPolicy):
         # Absent and ghost keys are ignored: adaptation is at insert.
         self._t1.touch_all_promoting(keys, self._t2)
 
+    def refresh(self, keys: Sequence[bytes]) -> None:
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        # Each key stays in its list (a refresh is not a use), as that list's most recent.
+        self._t1.touch_all(keys)
+        self._t2.touch_all(keys)
+
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not (self._t1.set_evictable(key, evictable) or self._t2.set_evictable(key, evictable)):
             raise KeyError(key)

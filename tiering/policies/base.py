@@ -38,6 +38,12 @@ class EvictionPolicy(ABC):
       the keys are held and evictable.
     - :meth:`touch` marks keys as used, the *first* key of the list ending most recent (a
       prefix's first block is the most valuable). Absent keys are ignored.
+    - :meth:`refresh` makes keys recent without counting a use (a request's own new blocks at
+      its end: a store is not a reuse), in the same order as :meth:`touch`. A policy that
+      counts uses (ARC's T1 -> T2, a frequency count) leaves them uncounted: in a recency
+      policy, refreshing a key never used since its insert leaves the policy as if that key
+      had been inserted last. The default calls :meth:`touch` (right for a policy that counts
+      no uses, such as LRU); a policy that counts uses overrides it.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
@@ -91,6 +97,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` as used; ``keys[0]`` ends most recent. Absent keys are ignored."""
+
+    def refresh(self, keys: Sequence[bytes]) -> None:
+        """Make ``keys`` recent without counting a use; ``keys[0]`` ends most recent. Absent
+        keys (ghosts included) are ignored. The default is :meth:`touch`: a policy whose touch
+        counts a use must override it."""
+        self.touch(keys)
 
     @abstractmethod
     def set_evictable(self, key: bytes, evictable: bool) -> None:

@@ -64,6 +64,9 @@ class LRUPolicy(EvictionPolicy):
             check_touch_keys(keys)
         self._order.touch_all(keys)
 
+    def refresh(self, keys: Sequence[bytes]) -> None:
+        self.touch(keys)  # LRU counts no uses: a refresh is a touch
+
     def set_evictable(self, key: bytes, evictable: bool) -> None:
         if not self._order.set_evictable(key, evictable):
             raise KeyError(key)

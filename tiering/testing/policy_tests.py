@@ -23,8 +23,8 @@ Subclass it in a test module (the class name must start with ``Test``) and overr
 What it checks (the contract in :mod:`tiering.policies.base`): container behaviour (``len``,
 ``in``, iteration), ``KeyError`` on a duplicate insert with no state changed, the batch forms
 (``insert_many``, ``set_evictable_many``) equal to their one-key calls and checking every key
-before changing anything, typed errors for
-bad keys and counts, ``touch`` order, pinned (non-evictable) and protected keys never evicted,
+before changing anything, typed errors for bad keys and counts, ``touch`` and ``refresh``
+order (a refresh is not a use), pinned (non-evictable) and protected keys never evicted,
 all-or-nothing ``evict``, ``remove`` and ``clear``, and that evicting past thousands of pinned
 keys is not a scan. Requires pytest.
 """
@@ -343,6 +343,61 @@ class PolicyTests:
         before = policy_state(policy)
         policy.touch([policy_key(50), policy_key(51)])
         policy.touch([])
+        assert policy_state(policy) == before
+
+    # -- refresh (recency without a use) -----------------------------------------------------
+
+    def test_refresh_order_exact(self, policy_factory: PolicyFactory) -> None:
+        self._need_recency()
+        policy = policy_factory(8)
+        keys = fill(policy, 6)
+        policy.refresh([keys[1], policy_key(77), keys[3], keys[0]])  # an absent key is ignored
+        expected = [keys[2], keys[4], keys[5], keys[0], keys[3], keys[1]]
+        assert list(policy) == expected
+        assert policy.evict(6) == expected
+
+    def test_refresh_is_not_a_use(self, policy_factory: PolicyFactory) -> None:
+        """Refreshing keys never used since their insert leaves a recency policy as if they had
+        been inserted last, in refresh order (``keys[0]`` last): no use is counted."""
+        self._need_recency()
+        policy, twin = policy_factory(6), policy_factory(6)
+        keys = fill(policy, 6)
+        policy.refresh([keys[1], keys[4]])
+        for i in (0, 2, 3, 5, 4, 1):
+            twin.insert(keys[i])
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+
+    def test_refresh_after_history_is_not_a_use(self, policy_factory: PolicyFactory) -> None:
+        """The same with ghosts and a pin behind it: new keys refreshed, then evicted, come out
+        as keys inserted in that order would."""
+        self._need_recency()
+        policy, twin = policy_factory(6), policy_factory(6)
+        self._history(policy)
+        self._history(twin)
+        new = [policy_key(10), policy_key(11), policy_key(12)]
+        policy.insert_many(new)
+        policy.refresh([new[0], new[1]])
+        twin.insert_many([new[2], new[1], new[0]])
+        assert policy_state(policy) == policy_state(twin)
+        assert evict_one_by_one(policy) == evict_one_by_one(twin)
+
+    def test_refresh_absent_keys_is_a_no_op(self, policy_factory: PolicyFactory) -> None:
+        policy = policy_factory(4)
+        keys = fill(policy, 4)
+        policy.touch([keys[3]])
+        policy.evict(2)  # ghosts, for a policy that keeps them
+        before = policy_state(policy)
+        policy.refresh([keys[0], keys[1], policy_key(50)])
+        policy.refresh([])
+        assert policy_state(policy) == before
+
+    def test_refresh_rejects_a_single_key(self, policy_factory: PolicyFactory) -> None:
+        policy = policy_factory(4)
+        fill(policy, 2)
+        before = policy_state(policy)
+        with pytest.raises(InvalidKeyError, match="sequence of keys"):
+            policy.refresh(policy_key(0))  # type: ignore[arg-type]
         assert policy_state(policy) == before
 
     # -- pinned and protected keys ----------------------------------------------------------
