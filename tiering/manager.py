@@ -314,6 +314,15 @@ class CPUOffloadingManager(OffloadingManager):
         """:meth:`touch` of keys :func:`~tiering.keys.check_keys` already checked."""
         self._policy.touch(key_list)
 
+    def refresh(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        """Make keys recent without counting a use (:meth:`EvictionPolicy.refresh`: keys the
+        request stored, not reused); the first key ends most recent. Absent keys are ignored."""
+        if misplaced:
+            reject_positional("refresh", misplaced, "req_context")
+        self._policy.refresh(check_keys(keys))
+
     # -- stores -------------------------------------------------------------------------------
 
     def prepare_store(
@@ -363,6 +372,7 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         if not to_store:
             return PrepareStoreOutput([], LoadStoreSpec(self.medium, np.empty(0, np.int64)), [])
+        self._policy.note_misses(to_store)
         needed = len(to_store)
         if needed > self.num_blocks:
             return None

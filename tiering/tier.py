@@ -377,9 +377,17 @@ class SecondaryTier:
         """The keys a promotion could read now (READY)."""
         return [k for k in keys if self.state(k) is TierKeyState.READY]
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes], *, req_context: object = None) -> None:
+        """A use of ``keys`` by the request of ``req_context`` (``keys[0]`` ends most
+        recent)."""
         if self._policy is not None:
             self._policy.touch(keys)
+
+    def refresh(self, keys: Sequence[bytes], *, req_context: object = None) -> None:
+        """Recency without a use (:meth:`EvictionPolicy.refresh`): the request of
+        ``req_context`` stored ``keys``, it did not reuse them."""
+        if self._policy is not None:
+            self._policy.refresh(keys)
 
     @property
     def has_capacity_for_job(self) -> bool:
@@ -519,6 +527,7 @@ class SecondaryTier:
         to_write = [k for k in dict.fromkeys(keys) if k not in policy]
         if not to_write:
             return [], []
+        policy.note_misses(to_write)
         capacity = self.backend.effective_capacity_blocks  # less when a disk guard shrinks it
         if len(to_write) > capacity:
             return None

@@ -939,7 +939,20 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         self._check_open()
         self.primary.touch_checked(key_list)
         for tier in self.tiers:
-            tier.touch(key_list)
+            tier.touch(key_list, req_context=req_context)
+
+    def refresh(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        """Recency without a use in every tier (keys the request stored, not reused: ARC keeps
+        them in T1); the first key ends most recent."""
+        if misplaced:
+            reject_positional("refresh", misplaced, "req_context")
+        key_list = check_keys(keys)
+        self._begin_call(req_context)
+        self.primary.policy.refresh(key_list)
+        for tier in self.tiers:
+            tier.refresh(key_list, req_context=req_context)
 
     # -- stores ----------------------------------------------------------------------------------
 

@@ -159,9 +159,9 @@ class TieringSpec(TieringOffloadingSpec):
     tier's size, as for vLLM's own specs; every worker maps the region, so it comes from the
     command line and the YAML's ``primary.capacity`` is not used), and optionally vLLM's
     ``eviction_policy`` and ``store_threshold`` / ``max_tracker_size`` (which override the
-    YAML's ``primary.policy`` and ``primary.store_threshold``), ``block_size`` /
-    ``blocks_per_chunk``. Every value is checked first
-    (:func:`~tiering.integrations.vllm_extra.check_spec_extra`): a bad one is a
+    YAML's ``primary.policy`` and ``primary.store_threshold``; vLLM's ``arc`` is vLLM's ARC
+    variant, tiering's ``arc_vllm``), ``block_size`` / ``blocks_per_chunk``. Every value is
+    checked first (:func:`~tiering.integrations.vllm_extra.check_spec_extra`): a bad one is a
     :class:`ConfigError` naming the key, the value and what is valid.
     """
 
@@ -241,6 +241,10 @@ class _Request:
 
     #: Keys loaded or offered to store (new or resident), in first-seen order: its accesses.
     accessed: dict[OffloadKey, None] = field(default_factory=dict)
+    #: Keys it stored, or promoted (vLLM: its promotion is a store): not reuses.
+    inserted: set[OffloadKey] = field(default_factory=set)
+    #: Ready keys it loaded or offered to store, not inserted by it before: its reuses.
+    reused: set[OffloadKey] = field(default_factory=set)
     #: Keys whose promotion served it (their load source is the tier, not the CPU).
     promoted: set[OffloadKey] = field(default_factory=set)
 
@@ -272,7 +276,7 @@ class TieringManager(OffloadingManager):
             )
         self.fingerprint = layout_fingerprint(spec)
         self.model_identity = model_identity_of(spec)  # what the fingerprint says of the model
-        self.policy = str(extra.get("eviction_policy") or config.primary.policy)
+        self.policy = _policy_name(extra, config)
         self.store_threshold = _store_threshold(extra, config)
         tiers = [
             build_tier(tier, block_bytes=chunk_bytes, fingerprint=self.fingerprint)
@@ -342,7 +346,10 @@ class TieringManager(OffloadingManager):
         if result is _T_RETRY:
             if self.manager.location_unknown(cast("Key", key)):  # a shared tier is asking
                 return _RETRY
-            self._request(req_context).promoted.add(key)
+            state = self._request(req_context)
+            state.promoted.add(key)
+            state.inserted.add(key)
+            state.accessed[key] = None
         return _ANSWERS[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
@@ -355,7 +362,7 @@ class TieringManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.manager.prepare_load(_keys(keys), req_context=req_context)
-        self._record(req_context, keys)
+        self._record(req_context, keys, reused=keys)
         return CPULoadStoreSpec(spec.block_ids.tolist())
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -372,12 +379,14 @@ class TieringManager(OffloadingManager):
         reused = [k for k in key_list if resident(k) is True]
         out = self.manager.prepare_store(_keys(key_list), req_context=req_context)
         if out is None:
-            self._record(req_context, reused)
+            self._record(req_context, reused, reused=reused)
             return None
         stored = _vllm_keys(out.keys_to_store)
         if stored or reused:
             accessed = {*stored, *reused}
-            self._record(req_context, [k for k in key_list if k in accessed])
+            self._record(
+                req_context, [k for k in key_list if k in accessed], reused=reused, stored=stored
+            )
         return PrepareStoreOutput(
             keys_to_store=stored,
             store_spec=CPULoadStoreSpec(out.store_spec.block_ids.tolist()),
@@ -410,7 +419,22 @@ class TieringManager(OffloadingManager):
         if None not in positions:  # head first (vLLM records every key's end token)
             ends = cast("list[int]", positions)
             keys = [keys[i] for i in sorted(range(len(keys)), key=ends.__getitem__)]
-        self.manager.touch(_keys(keys), req_context=req_context)  # the head ends most recent
+        # The head ends most recent: a use for the keys it reused, a refresh (no use: ARC
+        # keeps them in T1) for those it stored. Runs of one kind, the tail's first, keep the
+        # one pass vLLM's policies make from the tail to the head.
+        reused, manager = state.reused, self.manager
+        end = len(keys)
+        while end:
+            start = end - 1
+            kind = keys[start] in reused
+            while start and (keys[start - 1] in reused) is kind:
+                start -= 1
+            run = _keys(keys[start:end])
+            if kind:
+                manager.touch(run, req_context=req_context)
+            else:
+                manager.refresh(run, req_context=req_context)
+            end = start
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step_hits.clear()
@@ -501,6 +525,8 @@ class TieringManager(OffloadingManager):
         self._step_hits.clear()
         for state in self._requests.values():
             state.accessed.clear()
+            state.inserted.clear()
+            state.reused.clear()
             state.promoted.clear()
 
     def on_reset_flushed(self) -> None:
@@ -534,8 +560,35 @@ class TieringManager(OffloadingManager):
             state = self._requests[req_context.req_id] = _Request()
         return state
 
-    def _record(self, req_context: ReqContext, keys: Iterable[OffloadKey]) -> None:
-        self._request(req_context).accessed.update(dict.fromkeys(keys))
+    def _record(
+        self,
+        req_context: ReqContext,
+        keys: Iterable[OffloadKey],
+        *,
+        reused: Iterable[OffloadKey] = (),
+        stored: Iterable[OffloadKey] = (),
+    ) -> None:
+        state = self._request(req_context)
+        state.accessed.update(dict.fromkeys(keys))
+        state.inserted.update(stored)
+        # Reading back a block the request stored (or promoted) itself is no second use.
+        inserted = state.inserted
+        state.reused.update(k for k in reused if k not in inserted)
+
+
+#: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
+VLLM_POLICIES: Final = {"lru": "lru", "arc": "arc_vllm"}
+
+
+def _policy_name(extra: Any, config: TieringConfig) -> str:
+    """vLLM's ``eviction_policy`` if given (``arc`` is vLLM's ARC variant, ``arc_vllm``;
+    another name is a tiering policy), else the YAML's ``primary.policy`` as named (there
+    ``arc`` is the paper's)."""
+    name = extra.get("eviction_policy")
+    if not name:
+        return str(config.primary.policy)
+    name = str(name)
+    return VLLM_POLICIES.get(name.lower(), name)
 
 
 def _store_threshold(extra: Any, config: TieringConfig) -> int:

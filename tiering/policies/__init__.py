@@ -1,6 +1,7 @@
 """Eviction policies: the interface, LRU, ARC, hybrid LRU/ARC and lookup by name."""
 
 from tiering.policies.arc import ARCPolicy
+from tiering.policies.arc_vllm import VLLMARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
@@ -16,6 +17,7 @@ __all__ = [
     "EvictionPolicy",
     "HybridPolicy",
     "LRUPolicy",
+    "VLLMARCPolicy",
     "available_policies",
     "get_policy_class",
     "make_policy",

@@ -44,6 +44,9 @@ class EvictionPolicy(ABC):
       policy, refreshing a key never used since its insert leaves the policy as if that key
       had been inserted last. The default calls :meth:`touch` (right for a policy that counts
       no uses, such as LRU); a policy that counts uses overrides it.
+    - :meth:`note_misses` tells the policy which absent keys are about to be inserted, before
+      the eviction that makes room for them (a policy that learns from misses, as vLLM's ARC
+      from a ghost hit, adapts there); the default does nothing.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
@@ -103,6 +106,12 @@ class EvictionPolicy(ABC):
         keys (ghosts included) are ignored. The default is :meth:`touch`: a policy whose touch
         counts a use must override it."""
         self.touch(keys)
+
+    def note_misses(self, keys: Sequence[bytes]) -> None:
+        """``keys``, absent, are about to be inserted once room is made for them: the managers
+        call this before :meth:`evict` (and may then fail to make room, so an insert need not
+        follow). Changes no held key and evicts nothing. The default does nothing."""
+        return
 
     @abstractmethod
     def set_evictable(self, key: bytes, evictable: bool) -> None:

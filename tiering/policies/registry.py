@@ -5,6 +5,7 @@ A policy name resolves in this order: names given to :func:`register_policy` (th
 distributions (value ``"module:Class"``), each imported only when its name is first used; a
 ``"module:Class"`` import path. :func:`check_policy_name` checks a name the same way without
 importing anything (the config layer checks a file with it).
+register_policy(VLLMARCPolicy.name, VLLMARCPolicy)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from tiering.errors import ConfigurationError
 from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.arc import ARCPolicy
+from tiering.policies.arc_vllm import VLLMARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
@@ -127,3 +129,4 @@ def _qualname(cls: type) -> str:
 register_policy(LRUPolicy.name, LRUPolicy)
 register_policy(ARCPolicy.name, ARCPolicy)
 register_policy(HybridPolicy.name, HybridPolicy)
+register_policy(VLLMARCPolicy.name, VLLMARCPolicy)
