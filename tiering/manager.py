@@ -358,10 +358,30 @@ class CPUOffloadingManager(OffloadingManager):
         """Count one offer per key of the call; keep the keys offered often enough."""
         offers = self._offers
         assert offers is not None
-        for key in dict.fromkeys(key_list):
-            offers[key] = offers.pop(key, 0) + 1  # re-inserted: most recently offered
-        while len(offers) > self._offers_max_keys:
-            offers.popitem(last=False)
+        # vLLM's order: the keys already counted are bumped first (most recently offered, and
+        # never forgotten for this offer's new keys), then the new keys are appended, each
+        # forgetting the least recently offered key not bumped; with none left, it is not
+        # counted.
+        offered = list(dict.fromkeys(key_list))
+        bumped = 0
+        move_to_end = offers.move_to_end
+        for key in offered:
+            count = offers.get(key)
+            if count is not None:
+                move_to_end(key)
+                offers[key] = count + 1
+                bumped += 1
+        forgettable = len(offers) - bumped
+        max_keys = self._offers_max_keys
+        for key in offered:
+            if key in offers:
+                continue
+            if len(offers) >= max_keys:
+                if not forgettable:
+                    continue
+                offers.popitem(last=False)
+                forgettable -= 1
+            offers[key] = 1
         threshold = self.store_threshold
         admitted = [k for k in to_store if offers.get(k, 0) >= threshold]
         self._skipped_blocks += len(to_store) - len(admitted)

@@ -301,6 +301,8 @@ class TieringManager(OffloadingManager):
         )
         del rows
         self._primary = primary
+        # LRU as vLLM's: a running request's accesses rank its keys at once (see _record).
+        self._provisional_recency = self.policy == "lru"
         # vLLM's keys are tiering's keys (both bytes); typed once here for the hot path.
         self._cpu_lookup = cast("Callable[[bytes], TieringLookupResult]", primary.lookup_result)
         self._cpu_resident = cast("Callable[[bytes], bool | None]", primary.lookup)
@@ -413,12 +415,7 @@ class TieringManager(OffloadingManager):
         state = self._requests.pop(req_context.req_id, None)
         if state is None or not state.accessed:
             return
-        keys = list(state.accessed)
-        position = req_context.get_offload_key_position
-        positions = [position(k) for k in keys]
-        if None not in positions:  # head first (vLLM records every key's end token)
-            ends = cast("list[int]", positions)
-            keys = [keys[i] for i in sorted(range(len(keys)), key=ends.__getitem__)]
+        keys = _prefix_order(list(state.accessed), req_context)
         # The head ends most recent: a use for the keys it reused, a refresh (no use: ARC
         # keeps them in T1) for those it stored. Runs of one kind, the tail's first, keep the
         # one pass vLLM's policies make from the tail to the head.
@@ -569,11 +566,17 @@ class TieringManager(OffloadingManager):
         stored: Iterable[OffloadKey] = (),
     ) -> None:
         state = self._request(req_context)
-        state.accessed.update(dict.fromkeys(keys))
+        accessed = state.accessed
+        before = len(accessed)
+        accessed.update(dict.fromkeys(keys))
         state.inserted.update(stored)
         # Reading back a block the request stored (or promoted) itself is no second use.
         inserted = state.inserted
         state.reused.update(k for k in reused if k not in inserted)
+        if self._provisional_recency and (len(accessed) != before or stored):
+            # vLLM's LRU ranks a running request's keys at once (its head the most recent of
+            # them, above every older key), not only when it finishes: so does the drop-in's.
+            self._primary.refresh(_keys(_prefix_order(list(accessed), req_context)))
 
 
 #: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
@@ -607,6 +610,16 @@ def _keys(keys: Iterable[OffloadKey]) -> list[Key]:
 
 def _vllm_keys(keys: Iterable[Key]) -> list[OffloadKey]:
     return cast("list[OffloadKey]", list(keys))
+
+
+def _prefix_order(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
+    """``keys`` head first when vLLM recorded every key's end token, else as given."""
+    position = req_context.get_offload_key_position
+    positions = [position(k) for k in keys]
+    if None in positions:
+        return keys
+    ends = cast("list[int]", positions)
+    return [keys[i] for i in sorted(range(len(keys)), key=ends.__getitem__)]
 
 
 def _in_order(keys: Collection[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:

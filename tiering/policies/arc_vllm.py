@@ -8,7 +8,8 @@ hit ratio they had:
 - Adaptation happens when a key is *missed* (:meth:`note_misses`, before the eviction that
   makes room for it): a B1 ghost raises ``p`` by ``max(1, |B2| / |B1|)``, a B2 ghost lowers
   it by ``max(1, |B1| / |B2|)``, and the ghost stays (moved to its list's newest end) until
-  the key is inserted. :meth:`touch` of a ghost adapts the same way.
+  the key is inserted. A use (:meth:`touch`) of a ghost is ignored, as vLLM ignores the
+  ghosts among a finished request's keys.
 - :meth:`insert` always puts a key in T1 (dropping its ghost); a later reuse promotes it:
   :meth:`touch` moves a key of T1 to T2, pinned or not (vLLM moves a ready one; a key being
   written is never touched by the drop-in, which touches only the keys a request reused).
@@ -90,10 +91,7 @@ class VLLMARCPolicy(ARCPolicy):
                 if key in t1 and not t1.is_evictable(key):
                     t1.discard(key)
                     t2.add(key, False)
-        super().touch(keys)
-        if self._b1 or self._b2:
-            for key in reversed(keys):
-                self._adapt_to_ghost(key)
+        super().touch(keys)  # ghosts are ignored: vLLM adapts at a miss, not at a request's end
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
