@@ -1063,6 +1063,15 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         self._step_protected.clear()
         self._epoch += 1
 
+    def apply_finished(self) -> None:
+        """Apply now the results of every tier job finished so far, whichever step started it.
+        A step-driven caller that wants results as soon as they exist (vLLM's own manager polls
+        its tiers at the first call of each step) calls it; its answers then depend on when
+        the I/O finished, not only on the calls made."""
+        self._check_open()
+        if self._results_queued or self._done or self._waiting:
+            self._process_finished()
+
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._batches or self._waiting)
 

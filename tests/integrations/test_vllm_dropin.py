@@ -99,6 +99,7 @@ def dropin_extra(config: Path, cpu_chunks: int = CPU_CHUNKS, **keys: Any) -> dic
         "spec_module_path": "tiering.integrations.vllm",
         "cpu_bytes_to_use": cpu_chunks * gpu_block_bytes(),
         "tiering_config": str(config),
+        "tiering_deterministic_steps": True,  # the tests' scenarios count step boundaries
         **keys,
     }
 

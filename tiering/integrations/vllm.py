@@ -301,6 +301,10 @@ class TieringManager(OffloadingManager):
         )
         del rows
         self._primary = primary
+        # vLLM's timing: tier results apply at the first call of a step (and at its end if
+        # none came), as soon as they exist. Deterministic: only at step ends, one step later.
+        self.deterministic_steps = _flag(extra, "tiering_deterministic_steps")
+        self._polled = self.deterministic_steps  # this step's tier results were applied
         # LRU as vLLM's: a running request's accesses rank its keys at once (see _record).
         self._provisional_recency = self.policy == "lru"
         # vLLM's keys are tiering's keys (both bytes); typed once here for the hot path.
@@ -328,6 +332,8 @@ class TieringManager(OffloadingManager):
     # -- lookups ----------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._polled:
+            self._poll()
         self._cpu_queries += 1
         answer = self._cpu_lookup(key)
         req_id = req_context.req_id
@@ -363,6 +369,8 @@ class TieringManager(OffloadingManager):
     # -- loads and stores --------------------------------------------------------------------
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        if not self._polled:
+            self._poll()
         spec = self.manager.prepare_load(_keys(keys), req_context=req_context)
         self._record(req_context, keys, reused=keys)
         return CPULoadStoreSpec(spec.block_ids.tolist())
@@ -376,6 +384,8 @@ class TieringManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        if not self._polled:
+            self._poll()
         key_list = list(keys)
         resident = self._cpu_resident
         reused = [k for k in key_list if resident(k) is True]
@@ -435,7 +445,15 @@ class TieringManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step_hits.clear()
+        if not self._polled:
+            self._poll()  # a step with no call: vLLM's catch-all poll
         self.manager.on_schedule_end()
+        self._polled = self.deterministic_steps
+
+    def _poll(self) -> None:
+        """vLLM's once-per-step poll: apply every tier result that exists now."""
+        self._polled = True
+        self.manager.apply_finished()
 
     def has_pending_work(self) -> bool:
         return self.manager.has_pending_work()
@@ -574,9 +592,14 @@ class TieringManager(OffloadingManager):
         inserted = state.inserted
         state.reused.update(k for k in reused if k not in inserted)
         if self._provisional_recency and (len(accessed) != before or stored):
-            # vLLM's LRU ranks a running request's keys at once (its head the most recent of
-            # them, above every older key), not only when it finishes: so does the drop-in's.
-            self._primary.refresh(_keys(_prefix_order(list(accessed), req_context)))
+            # vLLM's LRU ranks a running request's keys at once by their end tokens (its head
+            # the most recent of them, above every older key), not only when it finishes: so
+            # does the drop-in's. Without end tokens vLLM ranks nothing before the end.
+            position = req_context.get_offload_key_position
+            ends = [position(k) for k in accessed]
+            if None not in ends:
+                ranked = sorted(zip(cast("list[int]", ends), accessed, strict=True), key=_first)
+                self._primary.refresh(_keys([k for _, k in ranked]))
 
 
 #: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
@@ -592,6 +615,13 @@ def _policy_name(extra: Any, config: TieringConfig) -> str:
         return str(config.primary.policy)
     name = str(name)
     return VLLM_POLICIES.get(name.lower(), name)
+
+
+def _flag(extra: Any, name: str) -> bool:
+    value = extra.get(name, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"TieringSpec: {name} must be true or false, got {value!r}")
+    return value
 
 
 def _store_threshold(extra: Any, config: TieringConfig) -> int:
@@ -610,6 +640,10 @@ def _keys(keys: Iterable[OffloadKey]) -> list[Key]:
 
 def _vllm_keys(keys: Iterable[Key]) -> list[OffloadKey]:
     return cast("list[OffloadKey]", list(keys))
+
+
+def _first(pair: tuple[int, OffloadKey]) -> int:
+    return pair[0]
 
 
 def _prefix_order(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:

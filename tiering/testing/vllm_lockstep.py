@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -56,7 +56,7 @@ CHUNK_BYTES = 4096
 _STEP_END = ScheduleEndContext((), ())
 
 
-def chunk_key(i: int) -> OffloadKey:
+def chunk_key(i: int) -> bytes:
     """The ``i``-th chunk key (group 0)."""
     return make_offload_key(i.to_bytes(32, "big"), 0)
 
@@ -115,11 +115,12 @@ def dropin_manager(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def hit_ratio(manager: OffloadingManager, requests: Sequence[Sequence[OffloadKey]]) -> float:
+def hit_ratio(manager: OffloadingManager, requests: Sequence[Sequence[bytes]]) -> float:
     """Serve ``requests`` one per scheduler step, each whole (look up, load the hits, store
     the rest, finish); the share of looked-up chunks that were ``HIT``."""
     hits = total = 0
-    for n, keys in enumerate(requests):
+    for n, request in enumerate(requests):
+        keys = cast("list[OffloadKey]", list(request))
         ctx = ReqContext(f"r{n}")
         for i, key in enumerate(keys, 1):
             ctx.set_offload_key_position(key, 16 * i)
@@ -181,7 +182,7 @@ class Lockstep:
     def run(
         self,
         rng: random.Random,
-        prompts: Sequence[Sequence[OffloadKey]],
+        prompts: Sequence[Sequence[bytes]],
         *,
         steps: int,
         max_active: int = 3,
@@ -199,7 +200,7 @@ class Lockstep:
         for step in range(steps):
             if len(active) < max_active and rng.random() < 0.7:
                 index = pick(rng) if pick is not None else rng.randrange(len(prompts))
-                keys = list(prompts[index])
+                keys = cast("list[OffloadKey]", list(prompts[index]))
                 ctxs = (ReqContext(f"s{step}"), ReqContext(f"s{step}"))
                 for ctx in ctxs:
                     for i, key in enumerate(keys, 1):
