@@ -232,6 +232,7 @@ def test_store_cascade_evict_and_promote_bit_exact(
         ("vllm:kv_offload_tiering_chunk_queries", (PRIMARY_LABEL,)): 16,
         ("vllm:kv_offload_tiering_chunk_hits", (PRIMARY_LABEL,)): 8,
         (TieringTierMetrics.STORED_BLOCKS, (PRIMARY_LABEL,)): 12,
+        ("vllm:kv_offload_tiering_write_bytes", (PRIMARY_LABEL,)): 12 * gpu_block_bytes(),
         (TieringTierMetrics.EVICTED_BLOCKS, (PRIMARY_LABEL,)): 8,
         ("vllm:kv_offload_tiering_chunk_hits", ("1:nvme",)): 4,
         ("vllm:kv_offload_tiering_read_bytes", ("1:nvme",)): 4 * gpu_block_bytes(),
@@ -521,6 +522,17 @@ def test_stats_and_config_info_are_vllm_s_and_declared(
         == 4
     )
     assert sample("tiering:tier_usage_bytes", {"engine": "0", "tier": "1:nvme"}) == 8 * SLOT_BYTES
+    # Every tier's capacity and usage, the CPU tier's included (vLLM has no such gauge).
+    row_bytes = adapter(driver).manager.row_bytes
+    capacity = {"0:primary": CPU_CHUNKS * row_bytes, "1:nvme": 16 * SLOT_BYTES, "2:lmdb": 2**20}
+    for tier, capacity_bytes in capacity.items():
+        labels = {"engine": "0", "tier": tier}
+        assert sample("tiering:tier_capacity_bytes", labels) == capacity_bytes
+    held = len(adapter(driver).manager.primary)
+    assert held == CPU_CHUNKS
+    assert sample("tiering:tier_usage_bytes", {"engine": "0", "tier": "0:primary"}) == (
+        held * row_bytes
+    )
     info = {"engine": "0", **{k: str(v) for k, v in infos[1].items()}}
     assert sample("vllm:kv_offload_config_info", {**dict.fromkeys(declared, ""), **info}) == 1
 

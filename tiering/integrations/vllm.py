@@ -476,6 +476,18 @@ class TieringManager(OffloadingManager):
         cpu = deltas.get(self._primary.medium, {})
         for name, metric in _CPU_COUNTERS.items():
             _count(stats, metric, cpu.get(name, 0), primary)
+        row_bytes = self.manager.row_bytes
+        _count(
+            stats,
+            TieringOffloadingMetrics.WRITE_BYTES,
+            cpu.get("stored_blocks", 0) * row_bytes,
+            primary,
+        )
+        cpu_tier = self._primary
+        stats.set_gauge(TieringTierMetrics.USAGE_BYTES, len(cpu_tier) * row_bytes, primary)
+        stats.set_gauge(
+            TieringTierMetrics.CAPACITY_BYTES, cpu_tier.num_blocks * row_bytes, primary
+        )
         _count(stats, CPUOffloadingMetrics.STORES_SKIPPED, cpu.get("stores_skipped", 0), ())
         _count(
             stats,
@@ -489,6 +501,7 @@ class TieringManager(OffloadingManager):
             for name, metric in _TIER_COUNTERS.items():
                 _count(stats, metric, counters.get(name, 0), label)
             stats.set_gauge(TieringTierMetrics.USAGE_BYTES, tier.backend.usage_bytes, label)
+            stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, tier.backend.capacity_bytes, label)
         return None if stats.is_empty() else stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:

@@ -102,6 +102,7 @@ class TieringTierMetrics:
     CORRUPT_BLOCKS = "tiering:tier_corrupt_blocks"
     EVICTED_BLOCKS = "tiering:tier_evicted_blocks"
     USAGE_BYTES = "tiering:tier_usage_bytes"
+    CAPACITY_BYTES = "tiering:tier_capacity_bytes"
 
 
 _COUNTERS = {
@@ -296,6 +297,9 @@ class TieringSecondaryTier(SecondaryTierManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats, self._stats = self._stats, OffloadingConnectorStats()
         stats.set_gauge(TieringTierMetrics.USAGE_BYTES, self.backend.usage_bytes, self._label)
+        stats.set_gauge(
+            TieringTierMetrics.CAPACITY_BYTES, self.backend.capacity_bytes, self._label
+        )
         return stats
 
     @classmethod
@@ -308,6 +312,10 @@ class TieringSecondaryTier(SecondaryTierManager):
         }
         metrics[TieringTierMetrics.USAGE_BYTES] = OffloadingGaugeMetadata(
             documentation="Bytes of storage a tiering tier uses (block headers included).",
+            labelnames=(TIER_LABEL,),
+        )
+        metrics[TieringTierMetrics.CAPACITY_BYTES] = OffloadingGaugeMetadata(
+            documentation="Bytes of storage a tiering tier may use (its capacity).",
             labelnames=(TIER_LABEL,),
         )
         return metrics
