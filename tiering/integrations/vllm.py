@@ -485,9 +485,7 @@ class TieringManager(OffloadingManager):
         )
         cpu_tier = self._primary
         stats.set_gauge(TieringTierMetrics.USAGE_BYTES, len(cpu_tier) * row_bytes, primary)
-        stats.set_gauge(
-            TieringTierMetrics.CAPACITY_BYTES, cpu_tier.num_blocks * row_bytes, primary
-        )
+        stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, cpu_tier.num_blocks * row_bytes, primary)
         _count(stats, CPUOffloadingMetrics.STORES_SKIPPED, cpu.get("stores_skipped", 0), ())
         _count(
             stats,

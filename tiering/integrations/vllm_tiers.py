@@ -297,9 +297,7 @@ class TieringSecondaryTier(SecondaryTierManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats, self._stats = self._stats, OffloadingConnectorStats()
         stats.set_gauge(TieringTierMetrics.USAGE_BYTES, self.backend.usage_bytes, self._label)
-        stats.set_gauge(
-            TieringTierMetrics.CAPACITY_BYTES, self.backend.capacity_bytes, self._label
-        )
+        stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, self.backend.capacity_bytes, self._label)
         return stats
 
     @classmethod
