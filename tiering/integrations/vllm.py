@@ -43,9 +43,13 @@ hits the request loads      :meth:`TieringOffloadingManager.protect_for_step`: a
 ``complete_store``          ``success`` by keyword; a ``set`` of keys (vLLM passes one) is put
 ``complete_load``           in prefix order first, so tier writes are the same on every run
 ``on_request_finished``     recency: the keys the request loaded or offered to store (new and
-                            resident; not lookups) are touched in prefix order, the head most
-                            recent, in the CPU tier and every tier (vLLM 0.33 never calls
-                            ``touch``; its CPU manager does the same at request finish)
+                            resident; not lookups), in prefix order, the head most recent, in
+                            the CPU tier and every tier: those it reused are touched, those it
+                            stored or promoted refreshed (no use: ARC keeps them in T1), as
+                            vLLM 0.33's CPU manager does at request finish (it never calls
+                            ``touch``)
+first call of a step        tier results that exist apply (vLLM's once-per-step poll), unless
+                            ``tiering_deterministic_steps``
 ``on_schedule_end``         the step boundary: tier results apply, promotion batches go out
 ``get_load_source``         ``DISK`` for a key this request found in a tier, else ``HOST``
 ``reset_cache``             drains tier I/O, drops the CPU tier and every tier's blocks, then
@@ -255,9 +259,10 @@ class TieringManager(OffloadingManager):
     ``manager`` is the :class:`TieringOffloadingManager` and ``region`` vLLM's shared offload
     region (public for tools and tests: read-only use). Every
     call runs on the caller's thread; tier I/O runs on the manager's I/O thread and its results
-    apply at step boundaries (``on_schedule_end``), so the same calls give the same answers
-    when each step's I/O is done. ``lock`` is a real lock, as vLLM asks of managers that may be
-    entered from more than one thread.
+    apply at the first call of the next step, as vLLM's own manager applies them; with
+    ``tiering_deterministic_steps`` only at step boundaries (``on_schedule_end``), so the same
+    calls give the same answers when each step's I/O is done. ``lock`` is a real lock, as vLLM
+    asks of managers that may be entered from more than one thread.
     """
 
     def __init__(
