@@ -64,6 +64,7 @@ def _engine(
         "spec_module_path": "tiering.integrations.vllm",
         "cpu_bytes_to_use": CPU_CHUNKS * gpu_block_bytes(),
         "tiering_config": str(config),
+        "tiering_deterministic_steps": True,  # the steps below are counted
     }
     tag = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:8]
     engine_id = f"{ENGINE_ID_PREFIX}shared-{name}-{tag}"

@@ -68,7 +68,6 @@ import concurrent.futures
 import gc
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -104,6 +103,7 @@ from tiering.errors import ConfigError
 from tiering.integrations.vllm_extra import check_spec_extra, spec_int
 from tiering.integrations.vllm_identity import model_identity_of
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
+from tiering.integrations.vllm_requests import RequestAccesses
 from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
 from tiering.keys import OffloadKey as Key
 from tiering.protocol import LookupResult as TieringLookupResult
@@ -239,20 +239,6 @@ class TieringSpec(TieringOffloadingSpec):
         return self._manager
 
 
-@dataclass
-class _Request:
-    """What the adapter keeps per request until it finishes."""
-
-    #: Keys loaded or offered to store (new or resident), in first-seen order: its accesses.
-    accessed: dict[OffloadKey, None] = field(default_factory=dict)
-    #: Keys it stored, or promoted (vLLM: its promotion is a store): not reuses.
-    inserted: set[OffloadKey] = field(default_factory=set)
-    #: Ready keys it loaded or offered to store, not inserted by it before: its reuses.
-    reused: set[OffloadKey] = field(default_factory=set)
-    #: Keys whose promotion served it (their load source is the tier, not the CPU).
-    promoted: set[OffloadKey] = field(default_factory=set)
-
-
 class TieringManager(OffloadingManager):
     """vLLM 0.33's scheduler-side manager over tiering's step-driven manager.
 
@@ -319,7 +305,7 @@ class TieringManager(OffloadingManager):
             "Callable[[bytes, ReqContext], TieringLookupResult]", self.manager.lookup_result
         )
         self._labels = {tier.name: f"{i}:{tier.name}" for i, tier in enumerate(tiers, 1)}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestAccesses] = {}
         self._step_hits: dict[str, list[OffloadKey]] = {}  # HITs not protected yet, by request
         self._pending_events: list[OffloadingEvent] = []
         self._promotions_held = False
@@ -421,32 +407,15 @@ class TieringManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.manager.on_new_request(req_context)
-        self._requests[req_context.req_id] = _Request()
+        self._requests[req_context.req_id] = RequestAccesses()
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.manager.on_request_finished(req_context)
         self._step_hits.pop(req_context.req_id, None)
         state = self._requests.pop(req_context.req_id, None)
-        if state is None or not state.accessed:
-            return
-        keys = _prefix_order(list(state.accessed), req_context)
-        # The head ends most recent: a use for the keys it reused, a refresh (no use: ARC
-        # keeps them in T1) for those it stored. Runs of one kind, the tail's first, keep the
-        # one pass vLLM's policies make from the tail to the head.
-        reused, manager = state.reused, self.manager
-        end = len(keys)
-        while end:
-            start = end - 1
-            kind = keys[start] in reused
-            while start and (keys[start - 1] in reused) is kind:
-                start -= 1
-            run = _keys(keys[start:end])
-            if kind:
-                manager.touch(run, req_context=req_context)
-            else:
-                manager.refresh(run, req_context=req_context)
-            end = start
+        if state is not None:
+            state.apply_at_end(self.manager, req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step_hits.clear()
@@ -555,10 +524,7 @@ class TieringManager(OffloadingManager):
         self._promotions_held = bool(manager.tiers)
         self._step_hits.clear()
         for state in self._requests.values():
-            state.accessed.clear()
-            state.inserted.clear()
-            state.reused.clear()
-            state.promoted.clear()
+            state.clear()
 
     def on_reset_flushed(self) -> None:
         self._promotions_held = False
@@ -585,10 +551,10 @@ class TieringManager(OffloadingManager):
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _request(self, req_context: ReqContext) -> _Request:
+    def _request(self, req_context: ReqContext) -> RequestAccesses:
         state = self._requests.get(req_context.req_id)
         if state is None:
-            state = self._requests[req_context.req_id] = _Request()
+            state = self._requests[req_context.req_id] = RequestAccesses()
         return state
 
     def _record(
@@ -600,22 +566,13 @@ class TieringManager(OffloadingManager):
         stored: Iterable[OffloadKey] = (),
     ) -> None:
         state = self._request(req_context)
-        accessed = state.accessed
-        before = len(accessed)
-        accessed.update(dict.fromkeys(keys))
-        state.inserted.update(stored)
-        # Reading back a block the request stored (or promoted) itself is no second use.
-        inserted = state.inserted
-        state.reused.update(k for k in reused if k not in inserted)
-        if self._provisional_recency and (len(accessed) != before or stored):
+        if state.record(keys, reused=reused, stored=stored) and self._provisional_recency:
             # vLLM's LRU ranks a running request's keys at once by their end tokens (its head
             # the most recent of them, above every older key), not only when it finishes: so
             # does the drop-in's. Without end tokens vLLM ranks nothing before the end.
-            position = req_context.get_offload_key_position
-            ends = [position(k) for k in accessed]
-            if None not in ends:
-                ranked = sorted(zip(cast("list[int]", ends), accessed, strict=True), key=_first)
-                self._primary.refresh(_keys([k for _, k in ranked]))
+            ranked = state.ranked(req_context)
+            if ranked is not None:
+                self._primary.refresh(ranked)
 
 
 #: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
@@ -656,20 +613,6 @@ def _keys(keys: Iterable[OffloadKey]) -> list[Key]:
 
 def _vllm_keys(keys: Iterable[Key]) -> list[OffloadKey]:
     return cast("list[OffloadKey]", list(keys))
-
-
-def _first(pair: tuple[int, OffloadKey]) -> int:
-    return pair[0]
-
-
-def _prefix_order(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
-    """``keys`` head first when vLLM recorded every key's end token, else as given."""
-    position = req_context.get_offload_key_position
-    positions = [position(k) for k in keys]
-    if None in positions:
-        return keys
-    ends = cast("list[int]", positions)
-    return [keys[i] for i in sorted(range(len(keys)), key=ends.__getitem__)]
 
 
 def _in_order(keys: Collection[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
