@@ -118,6 +118,12 @@ SPEC_KEYS: Mapping[str, _Key] = {
         _int_at_least(1),
         "an integer >= 1 (keys the store-threshold table tracks; default 64000)",
     ),
+    "tiering_deterministic_steps": _Key(
+        _is_bool,
+        "true or false (default false: tier results apply when vLLM's own manager applies "
+        "them; true: only at step ends, a step or two later, the same calls giving the same "
+        "answers)",
+    ),
     "offload_prompt_only": _Key(_is_bool, "true or false (default true)"),
     "self_describing_kv_events": _Key(_is_bool, "true or false (default false)"),
     "canonical_layout": _Key(_is_bool, "true or false (default false)"),
