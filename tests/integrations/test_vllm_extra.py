@@ -77,6 +77,8 @@ BAD_SPEC_VALUES = [
     ("max_tracker_size", 0),
     ("max_tracker_size", None),
     ("max_tracker_size", [1]),
+    ("tiering_deterministic_steps", "true"),
+    ("tiering_deterministic_steps", 1),
     ("offload_prompt_only", "false"),
     ("offload_prompt_only", 0),
     ("self_describing_kv_events", "yes"),

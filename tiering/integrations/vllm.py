@@ -294,7 +294,7 @@ class TieringManager(OffloadingManager):
         self._primary = primary
         # vLLM's timing: tier results apply at the first call of a step (and at its end if
         # none came), as soon as they exist. Deterministic: only at step ends, one step later.
-        self.deterministic_steps = _flag(extra, "tiering_deterministic_steps")
+        self.deterministic_steps = extra.get("tiering_deterministic_steps") is True  # checked
         self._polled = self.deterministic_steps  # this step's tier results were applied
         # LRU as vLLM's: a running request's accesses rank its keys at once (see _record).
         self._provisional_recency = self.policy == "lru"
@@ -588,13 +588,6 @@ def _policy_name(extra: Any, config: TieringConfig) -> str:
         return str(config.primary.policy)
     name = str(name)
     return VLLM_POLICIES.get(name.lower(), name)
-
-
-def _flag(extra: Any, name: str) -> bool:
-    value = extra.get(name, False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"TieringSpec: {name} must be true or false, got {value!r}")
-    return value
 
 
 def _store_threshold(extra: Any, config: TieringConfig) -> int:
