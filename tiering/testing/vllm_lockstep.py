@@ -41,6 +41,8 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from tiering.integrations import vllm_plugin
+
 __all__ = [
     "CHUNK_BYTES",
     "Lockstep",
@@ -85,8 +87,6 @@ def dropin_manager(
 ) -> OffloadingManager:
     """tiering's drop-in (``TieringSpec``) built by vLLM's factory over a real shared region,
     with ``eviction_policy`` and ``store_threshold`` as vLLM's keys. Call ``shutdown()``."""
-    from tiering.integrations import vllm_plugin
-
     vllm_plugin.register()
     folder = Path(tempfile.mkdtemp(prefix="tiering-lockstep-"))
     yaml_path = folder / "tiering.yaml"
