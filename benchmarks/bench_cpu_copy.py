@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import register_kv_caches
-from tiering.pool import CPUBlockPool
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import register_kv_caches
+from tiering.managers.pool import CPUBlockPool
 from tiering.transfer import PoolTransfer, TransferEngine
 
 BLOCK_SIZES_BYTES = (16 << 10, 256 << 10, 2 << 20)

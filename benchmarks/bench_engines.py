@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.file import FileBackend
+from tiering.core.block_format import make_layout_fingerprint
 from tiering.embed import TierStore, framed_layout
-from tiering.tier import SecondaryTier
+from tiering.managers.secondary_tier import SecondaryTier
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 8, 8, 128, 16  # bf16: 2 x 8 x 16 x 8 x 128 x 2 = 512 KiB/page
 PAGE_BYTES = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tiering.config import build_manager, build_pool, parse_config
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 
 TICK_S = 0.001
 

@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import register_kv_caches
-from tiering.pool import CPUBlockPool
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import register_kv_caches
+from tiering.managers.pool import CPUBlockPool
 from tiering.transfer import PoolTransfer, StrategyOptions, TransferEngine
 from tiering.transfer.batched_memcpy import find_batched_memcpy
 from tiering.transfer.triton_copy import load_kernel

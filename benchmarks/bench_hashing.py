@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tiering.hashing import PrefixHasher, available_algorithms
+from tiering.core.hashing import PrefixHasher, available_algorithms
 
 BLOCK_SIZES_TOKENS = (16, 256)
 TARGET_RATIO = 1.5

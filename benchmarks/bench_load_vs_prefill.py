@@ -7,7 +7,8 @@ prefills N tokens. Their KV goes the way an engine's would through ``tiering``:
 1. the engine's paged KV cache (per layer ``(2, num_blocks, 16, kv_heads, head_dim)``, the
    FlashAttention layout vLLM uses) receives the prefill's K and V at random block ids;
 2. :class:`~tiering.transfer.TransferEngine` stores those blocks into a pinned
-   :class:`~tiering.pool.CPUBlockPool`, keyed by :class:`~tiering.hashing.PrefixHasher`'s
+   :class:`~tiering.managers.pool.CPUBlockPool`, keyed by
+   :class:`~tiering.core.hashing.PrefixHasher`'s
    prefix hashes, and a :class:`~tiering.backends.file.FileBackend` writes the pool rows to a
    file tier;
 3. the GPU blocks and the pool rows are wiped; the file tier reads the blocks back into the pool
@@ -55,11 +56,11 @@ import torch
 
 from tiering.backends.base import Outcome
 from tiering.backends.file import FileBackend, slot_bytes_for
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.hashing import PrefixHasher
-from tiering.identity import layout_fingerprint
-from tiering.layout import register_kv_caches
-from tiering.pool import CPUBlockPool
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.hashing import PrefixHasher
+from tiering.core.identity import layout_fingerprint
+from tiering.core.layout import register_kv_caches
+from tiering.managers.pool import CPUBlockPool
 from tiering.transfer import PoolTransfer, TransferEngine
 
 BLOCK_TOKENS = 16

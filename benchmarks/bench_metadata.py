@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.core.keys import OffloadKey, make_offload_key
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 BATCH = 16
 

@@ -60,9 +60,9 @@ import torch
 from redis.asyncio.cluster import ClusterNode
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import HEADER_BYTES
 from tiering.backends.redis import TAIL_BYTES, RedisBackend
-from tiering.backends.redis_nodes import SOCKET_READ_BYTES
+from tiering.backends.redis.nodes import SOCKET_READ_BYTES
+from tiering.core.block_format import HEADER_BYTES
 from tiering.testing.redis_servers import (
     RedisClusterProcesses,
     RedisServer,

@@ -4,8 +4,9 @@ The denominators are the managers of the real ``vllm`` package (the one the vLLM
 installs): ``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager`` with its ``"lru"`` and
 ``"arc"`` cache policies. Against each, with the same policy:
 
-- ``cpu``: :class:`tiering.manager.CPUOffloadingManager`;
-- ``tiering``: :class:`tiering.tiering_manager.TieringOffloadingManager` over that primary, with
+- ``cpu``: :class:`tiering.managers.cpu_manager.CPUOffloadingManager`;
+- ``tiering``: :class:`tiering.managers.tiering_manager.TieringOffloadingManager` over that
+  primary, with
   one secondary tier configured: a :class:`~tiering.backends.file.FileBackend` in a temporary
   directory (write-through, the same policy, capacity the primary's block count up to
   ``TIER_MAX_BLOCKS``), step-driven as the vLLM adapter runs it.
@@ -62,9 +63,9 @@ from typing import Any, cast
 import torch
 
 from tiering.backends.file import FileBackend, slot_bytes_for
-from tiering.manager import CPUOffloadingManager
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 # vLLM's log handler writes to stdout, which run_all puts in docs/benchmarks.md: leave logging
 # to Python's defaults (warnings on stderr).

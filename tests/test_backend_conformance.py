@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import pytest
 
 from tiering.backends.base import StorageBackend
-from tiering.backends.block_format import HEADER_BYTES, unpack_header
 from tiering.backends.file import HEADER_AREA_BYTES, SLOTS_NAME, FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
+from tiering.core.block_format import HEADER_BYTES, unpack_header
 from tiering.errors import CorruptBlockError
 from tiering.testing import BackendTests
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigurationError
-from tiering.hashing import PrefixHasher
 from tiering.policies import ARCPolicy, LRUPolicy
 from tiering.replay.belady import REFERENCE_POLICIES, Stats, belady_hits, lru_hits, simulate
 from tiering.replay.traces import builtin_trace, hash_requests

@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiering.backends.block_format import (
+from tiering.core.block_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,

@@ -39,18 +39,18 @@ from hypothesis.stateful import (
 )
 
 from tiering.backends.base import StorageBackend
-from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.lmdb import LMDBBackend
 from tiering.backends.memory import MemoryBackend
+from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ProtocolError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.protocol import LookupResult
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import LookupResult
+from tiering.managers.secondary_tier import SecondaryTier, WritePolicy
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.testing.gated_backend import GatedBackend, wait_until_quiet
-from tiering.tier import SecondaryTier, WritePolicy
-from tiering.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 256
 FINGERPRINT = make_layout_fingerprint({"call-orders": ROW_BYTES})

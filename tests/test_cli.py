@@ -15,7 +15,7 @@ import torch
 from tiering import cli
 from tiering.backends.file import HEADER_AREA_BYTES, SLOTS_NAME, slot_bytes_for
 from tiering.config import build_manager, build_pool, config_json_schema, load_config
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,13 +46,13 @@ from tiering.config import (
     load_config,
     parse_config,
 )
+from tiering.core.hashing import SUPPORTED_ALGORITHMS
+from tiering.core.identity import layout_fingerprint
+from tiering.core.keys import make_offload_key
 from tiering.errors import ConfigError, ConfigurationError
-from tiering.hashing import SUPPORTED_ALGORITHMS
-from tiering.identity import layout_fingerprint
-from tiering.keys import make_offload_key
-from tiering.model_shapes import get_model_shape
+from tiering.managers.secondary_tier import SecondaryTier, WritePolicy
+from tiering.model.shapes import get_model_shape
 from tiering.replay.traces import SCALES
-from tiering.tier import SecondaryTier, WritePolicy
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiering.yaml"
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiering import registry
+from tiering.backends import registry
 from tiering.config import ConfigWarning, build_manager, load_config, resolve_plugins
 from tiering.errors import ConfigError
 

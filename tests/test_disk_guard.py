@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from tiering.backends import disk_guard
-from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.file import FileBackend
 from tiering.backends.lmdb import LMDBBackend
+from tiering.core.block_format import make_layout_fingerprint
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigurationError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 MiB = 1 << 20
 DISK_BYTES = 16 * MiB

@@ -19,19 +19,19 @@ import pytest
 import torch
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import (
+from tiering.backends.file import FileBackend
+from tiering.backends.memory import MemoryBackend
+from tiering.config import parse_config
+from tiering.core.block_format import (
     FRAME_BYTES,
     HEADER_BYTES,
     make_layout_fingerprint,
     read_frame,
     write_frame,
 )
-from tiering.backends.file import FileBackend
-from tiering.backends.memory import MemoryBackend
-from tiering.config import parse_config
 from tiering.embed import EmbedError, TierStore, framed_layout
 from tiering.errors import CorruptBlockError, InvalidKeyError
-from tiering.tier import SecondaryTier
+from tiering.managers.secondary_tier import SecondaryTier
 
 MAX_BLOCK = 4000
 DESCRIPTION, SLOT = framed_layout({"model": "test"}, MAX_BLOCK)

@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 
 from tiering.backends._fileops import FaultyFileOps, FileOps
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import HEADER_BYTES
 from tiering.backends.file import (
     HEADER_AREA_BYTES,
     MANIFEST_NAME,
@@ -39,8 +38,9 @@ from tiering.backends.file import (
     slot_bytes_for,
 )
 from tiering.backends.ownership import MARKER_NAME, LayoutMismatchError, UntrustedEntryError
+from tiering.core.block_format import HEADER_BYTES
+from tiering.core.keys import make_offload_key
 from tiering.errors import BackendError, ConfigurationError, InvalidKeyError
-from tiering.keys import make_offload_key
 
 OK, MISSING, CORRUPT, FULL, FAILED = (
     Outcome.OK,
@@ -728,7 +728,7 @@ class GatedOps(FileOps):
 
 
 def _key_in_slot(slots_file: Path, slot: int) -> bytes:
-    from tiering.backends.block_format import unpack_header
+    from tiering.core.block_format import unpack_header
 
     return unpack_header(read_file(slots_file, slot * SLOT, HEADER_BYTES)).key
 

@@ -1,4 +1,4 @@
-"""Tests of tiering.hashing: the pinned byte encoding, determinism, chaining and extra keys."""
+"""Tests of tiering.core.hashing: the pinned byte encoding, determinism, chaining and extra keys."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiering.errors import ConfigurationError, TieringError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.hashing import (
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.hashing import (
     HASH_ENCODING_VERSION,
     ExtraKeys,
     HashInputError,
@@ -28,6 +27,7 @@ from tiering.hashing import (
     available_algorithms,
     hash_prefix_blocks,
 )
+from tiering.errors import ConfigurationError, TieringError
 
 try:
     import xxhash
@@ -167,7 +167,7 @@ def test_matches_independent_encoder(
 
 _CHILD = """
 import sys
-from tiering.hashing import ExtraKeys, MultiModalItem, hash_prefix_blocks
+from tiering.core.hashing import ExtraKeys, MultiModalItem, hash_prefix_blocks
 extra = ExtraKeys(lora_name="l", mm_items=(MultiModalItem("x", 3, 9),), cache_salt="s")
 for algorithm in sys.argv[1:]:
     for extra_keys in (None, extra):

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiering.errors import ConfigError
-from tiering.hf_families import MAX_LAYERS
-from tiering.hf_model import MAX_BLOCK_BYTES, MAX_BLOCK_TOKENS, model_shape_from_hf_config
+from tiering.model.hf_families import MAX_LAYERS
+from tiering.model.hf_model import MAX_BLOCK_BYTES, MAX_BLOCK_TOKENS, model_shape_from_hf_config
 
 LLAMA = {
     "model_type": "llama",

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tiering.config import parse_config
+from tiering.core.groups import GroupKind
 from tiering.errors import ConfigError
-from tiering.groups import GroupKind
-from tiering.hf_model import model_shape_from_hf_config
-from tiering.model_shapes import MODEL_SHAPES, GroupShape
+from tiering.model.hf_model import model_shape_from_hf_config
+from tiering.model.shapes import MODEL_SHAPES, GroupShape
 from tiering.replay import ReplayOptions, run_replay
 
 FULL, SLIDING, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from tiering.core.groups import GroupKind
 from tiering.errors import ConfigError
-from tiering.groups import GroupKind
-from tiering.hf_families import ALIASES, FAMILIES
-from tiering.hf_model import model_shape_from_hf_config
+from tiering.model.hf_families import ALIASES, FAMILIES
+from tiering.model.hf_model import model_shape_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tiering.errors import ConfigurationError, InvalidKeyError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import (
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import (
     check_keys,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
 )
+from tiering.errors import ConfigurationError, InvalidKeyError
 
 
 def full(block_size: int, name: str = "full") -> KVCacheGroup:

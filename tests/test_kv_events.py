@@ -12,11 +12,14 @@ import pytest
 import torch
 import zmq
 
-from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.memory import MemoryBackend
+from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigurationError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import OffloadingEvent
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.observability.kv_events import (
     DEFAULT_ENDPOINT,
     END_SEQ,
@@ -27,10 +30,7 @@ from tiering.observability.kv_events import (
     decode_batch,
     to_kv_events,
 )
-from tiering.protocol import OffloadingEvent
 from tiering.testing.redis_servers import free_port
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 128
 POLL_MS = 5_000  # an upper bound that only a broken publisher reaches

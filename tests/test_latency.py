@@ -9,7 +9,7 @@ from bisect import bisect_left
 import pytest
 
 from tiering.errors import ConfigurationError
-from tiering.latency import LATENCY_BUCKETS_S, RESERVOIR_SIZE, LatencyRecord
+from tiering.managers.latency import LATENCY_BUCKETS_S, RESERVOIR_SIZE, LatencyRecord
 
 
 def test_every_sample_is_kept_while_there_are_at_most_reservoir_size() -> None:

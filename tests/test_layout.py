@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiering.errors import ConfigurationError, LayoutError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import (
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import (
     CanonicalKVCacheRef,
     KVLayout,
     register_cross_layer_kv_cache,
     register_kv_caches,
 )
+from tiering.errors import ConfigurationError, LayoutError
 
 NUM_BLOCKS = 6
 

@@ -23,11 +23,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import HEADER_BYTES, MAX_KEY_BYTES, checksum
 from tiering.backends.lmdb import LMDBBackend, copy_and_checksum, lmdb_geometry
 from tiering.backends.ownership import LayoutMismatchError
+from tiering.core.block_format import HEADER_BYTES, MAX_KEY_BYTES, checksum
+from tiering.core.keys import make_offload_key
 from tiering.errors import BackendError, ConfigurationError, InvalidKeyError
-from tiering.keys import make_offload_key
 from tiering.testing.backend_tests import BackendTests
 from tiering.testing.loop_use import measure_loop_use
 
@@ -485,7 +485,7 @@ WRITER_SCRIPT = textwrap.dedent(
     """
     import asyncio, hashlib, random, sys
     from tiering.backends.lmdb import LMDBBackend
-    from tiering.keys import make_offload_key
+    from tiering.core.keys import make_offload_key
 
     path, capacity, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.lookup import HybridHit, KeyState, find_hybrid_hit
 from tiering.errors import ConfigurationError, InvalidArgumentError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.lookup import HybridHit, KeyState, find_hybrid_hit
 
 R, A, P = KeyState.READY, KeyState.ABSENT, KeyState.PENDING
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import InvalidKeyError, ProtocolError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.protocol import OffloadingEvent
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import OffloadingEvent
 
 
 def k(i: int) -> OffloadKey:

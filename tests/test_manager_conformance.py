@@ -8,14 +8,14 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
-from tiering.manager import CPUOffloadingManager
-from tiering.protocol import OffloadingManager
+from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import OffloadingManager
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.testing import ManagerTests
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 512
 FINGERPRINT = make_layout_fingerprint({"manager-conformance": ROW_BYTES})

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.memory import MemoryBackend
+from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigurationError, InvalidArgumentError, InvalidKeyError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.protocol import LookupResult
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import LookupResult
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 256
 FINGERPRINT = make_layout_fingerprint({"robustness": ROW_BYTES})

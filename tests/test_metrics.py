@@ -17,9 +17,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiering.config import build_manager, parse_config
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigurationError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.latency import LATENCY_BUCKETS_S, LatencyRecord
+from tiering.managers.latency import LATENCY_BUCKETS_S, LatencyRecord
+from tiering.managers.protocol import HIT
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.observability.metrics import CATALOGUE
 from tiering.observability.prometheus import (
     MultiprocessExporter,
@@ -27,8 +29,6 @@ from tiering.observability.prometheus import (
     multiprocess_registry,
     start_metrics_server,
 )
-from tiering.protocol import HIT
-from tiering.tiering_manager import TieringOffloadingManager
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).parent / "workers" / "metrics_worker.py"

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from tiering import cli
-from tiering import model_identity as model_identity_module
 from tiering.config import build_manager, build_pool, load_config
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigError, TieringError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.model_identity import SAMPLE_BYTES, SAMPLES, checkpoint_digest, model_identity
+from tiering.model import identity as model_identity_module
+from tiering.model.identity import SAMPLE_BYTES, SAMPLES, checkpoint_digest, model_identity
 
 CONFIG = {  # a tiny Llama: 2 layers, 2 KV heads of 16, float16: 4 KiB per 16-token block
     "_name_or_path": "tiny-llama",

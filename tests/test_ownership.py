@@ -25,8 +25,8 @@ from tiering.backends.ownership import (
     UntrustedEntryError,
 )
 from tiering.config import build_manager, build_pool, check_tier_directories, load_config
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigError
-from tiering.keys import OffloadKey, make_offload_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiering import cli, registry
+from tiering import cli
+from tiering.backends import registry
 from tiering.backends.base import StorageBackend
-from tiering.backends.block_format import HEADER_BYTES
 from tiering.config import PluginSettings, build_manager, build_pool, load_config, resolve_plugins
+from tiering.core.block_format import HEADER_BYTES
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigError
-from tiering.keys import OffloadKey, make_offload_key
 from tiering.testing import BackendTests
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiering-plugin-example"

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tiering.errors import BackendError, ConfigurationError, LayoutError, UnsafeFileError
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 from tiering.testing.copy_strategy_tests import (
     NUM_SLOTS,
     HybridModel,
@@ -49,7 +49,7 @@ def test_pool_is_preallocated_zeroed_and_unpinned_without_cuda() -> None:
 def test_forced_pinning_without_cuda_falls_back_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tiering.pool"):
+    with caplog.at_level(logging.WARNING, logger="tiering.managers.pool"):
         pool = CPUBlockPool(2, 64, pin_memory=True)
     assert not pool.is_pinned
     assert "pinned host memory unavailable" in caplog.text
@@ -100,7 +100,7 @@ def shm_name() -> Iterator[str]:
 CHILD_STORE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 from tiering.testing.copy_strategy_tests import HybridModel, transfer
 name, block_bytes = sys.argv[2], int(sys.argv[3])
 pool = CPUBlockPool.open_shared(name, 12, block_bytes, world_size=2, timeout_s=30)
@@ -225,7 +225,7 @@ def test_joiner_refuses_a_pool_file_owned_by_another_user(shm_name: str) -> None
 
 CHILD_CRASH = """
 import os, signal, sys
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 pool = CPUBlockPool.create_shared(sys.argv[1], 3, 128)
 pool.rows_view()[1].fill_(5)
 print("created", flush=True)
@@ -351,7 +351,7 @@ def test_shared_pool_at_an_explicit_path(tmp_path: Path) -> None:
 def test_touching_pages_without_madvise_populate_still_gives_a_zeroed_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tiering import pool as pool_module
+    from tiering.managers import pool as pool_module
 
     monkeypatch.setattr(pool_module._SharedRegion, "_populate", lambda self: False)
     with CPUBlockPool.create_shared(tmp_path / "pool.mmap", 3, 5000) as pool:

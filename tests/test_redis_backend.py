@@ -13,11 +13,11 @@ import pytest
 from redis_helpers import Target, make_redis_backend, prefix_for, raw_client, target_options
 
 from tiering.backends.base import Outcome, StorageBackend
-from tiering.backends.block_format import pack_header
 from tiering.backends.redis import TAIL_BYTES, RedisBackend, RedisSettings
+from tiering.core.block_format import pack_header
+from tiering.core.hashing import ExtraKeys, PrefixHasher
+from tiering.core.keys import make_offload_key
 from tiering.errors import BackendError, ConfigurationError
-from tiering.hashing import ExtraKeys, PrefixHasher
-from tiering.keys import make_offload_key
 from tiering.testing import BackendTests
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer, free_port
 

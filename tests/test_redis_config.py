@@ -14,8 +14,8 @@ import torch
 
 from tiering.backends.redis import RedisBackend, RedisSettings
 from tiering.config import build_backend, build_manager, build_pool, load_config, parse_config
+from tiering.core.keys import make_offload_key
 from tiering.errors import ConfigError
-from tiering.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
 pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
@@ -96,13 +96,13 @@ def test_tiering_works_without_the_redis_package(tmp_path: Path) -> None:
         f"""
         import sys
         sys.modules["redis"] = None  # as if it were not installed
-        import tiering, tiering.config, tiering.registry
+        import tiering, tiering.config, tiering.backends.registry
         from tiering.config import load_config
         from tiering.errors import ConfigError
         path = {str(_write(tmp_path, "- {type: memory, capacity: 1MiB}"))!r}
         load_config(path)
         try:
-            tiering.registry.get_backend("redis")
+            tiering.backends.registry.get_backend("redis")
         except tiering.errors.ConfigurationError as exc:
             print("ERROR", exc)
         """

@@ -20,8 +20,8 @@ from redis_helpers import make_redis_backend, require_redis
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
+from tiering.core.keys import make_offload_key
 from tiering.errors import BackendError
-from tiering.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
 pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
@@ -109,7 +109,7 @@ async def test_cluster_node_killed_mid_run(
                         assert got == want
                 await asyncio.sleep(0)
 
-        caplog.set_level(logging.WARNING, logger="tiering.backends.redis_nodes")
+        caplog.set_level(logging.WARNING, logger="tiering.backends.redis.nodes")
         running = asyncio.ensure_future(traffic())
         await _until(lambda: _true(len(calls_done) >= 3))  # serving before the kill
         victim.kill()

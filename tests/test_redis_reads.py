@@ -18,8 +18,8 @@ from redis_helpers import Target, make_redis_backend, raw_client, require_redis
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
-from tiering.backends.redis_nodes import ClientOptions, RedisNodes
-from tiering.keys import make_offload_key
+from tiering.backends.redis.nodes import ClientOptions, RedisNodes
+from tiering.core.keys import make_offload_key
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
 
 pytest_plugins = ["redis_fixtures"]  # the real-server fixtures

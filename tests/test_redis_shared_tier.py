@@ -21,16 +21,16 @@ from tiering.backends.memory import MemoryBackend
 from tiering.backends.redis import RedisBackend
 from tiering.cli import main as cli_main
 from tiering.config import build_manager, build_tier, load_config
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigError, ConfigurationError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import LookupResult, OffloadingManager
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.shared_tier import SharedTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.observability.metrics import CATALOGUE, read_samples
-from tiering.protocol import LookupResult, OffloadingManager
-from tiering.shared_tier import SharedTier
 from tiering.testing import ManagerTests
 from tiering.testing.redis_servers import RedisClusterProcesses, RedisServer
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
 
 pytest_plugins = ["redis_fixtures"]  # the real-server fixtures
 

@@ -15,6 +15,14 @@ import pytest
 from tiering.backends.file import FileBackend
 from tiering.backends.lmdb import LMDBBackend
 from tiering.backends.memory import MemoryBackend
+from tiering.backends.registry import (
+    BACKEND_PLUGINS,
+    GENERIC_TIER_KEYS,
+    available_backends,
+    get_backend,
+    register_backend,
+    rescan_plugins,
+)
 from tiering.backends.settings import (
     FileSettings,
     LMDBSettings,
@@ -25,14 +33,6 @@ from tiering.backends.settings import (
 )
 from tiering.errors import ConfigurationError
 from tiering.policies import available_policies, get_policy_class
-from tiering.registry import (
-    BACKEND_PLUGINS,
-    GENERIC_TIER_KEYS,
-    available_backends,
-    get_backend,
-    register_backend,
-    rescan_plugins,
-)
 
 FINGERPRINT = bytes(range(16))
 
@@ -196,7 +196,7 @@ def test_register_and_replace() -> None:
         replaced = register_backend("tiny-test", MemoryBackend, replace=True)
         assert replaced.settings_class is NoSettings
     finally:
-        from tiering import registry
+        from tiering.backends import registry
 
         registry._registry.pop("tiny-test", None)
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiering.cli import main as cli_main
 from tiering.config import TieringConfig, parse_config
-from tiering.hashing import PrefixHasher
+from tiering.core.hashing import PrefixHasher
 from tiering.observability.kv_events import END_SEQ, BlockStored, EventBatch, decode_batch
 from tiering.replay import ReplayOptions, policy_study, run_replay
 from tiering.replay.progress import ProgressBar

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tiering.config import build_manager, build_pool, load_config
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 WORKER = Path(__file__).parent / "workers" / "restart_worker.py"
 sys.path.insert(0, str(WORKER.parent))

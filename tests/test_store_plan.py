@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import OffloadKey, make_offload_key
+from tiering.core.store_plan import plan_store
 from tiering.errors import InvalidKeyError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.store_plan import plan_store
 
 
 def spec_with_window(factor: int) -> KVCacheSpec:

@@ -22,9 +22,9 @@ import pytest
 from tiering.backends.base import Outcome
 from tiering.backends.file import HEADER_AREA_BYTES, MANIFEST_NAME, SLOTS_NAME, FileBackend
 from tiering.backends.file import slot_bytes_for as file_slot_bytes
-from tiering.backends.lmdb_check import check_data_file
+from tiering.backends.lmdb.check import check_data_file
 from tiering.backends.ownership import MARKER_NAME
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 
 OK, MISSING = Outcome.OK, Outcome.MISSING
 BLOCK = 8192
@@ -192,7 +192,7 @@ LMDB_WORKER = textwrap.dedent(
     package.__path__ = [sys.argv[5]]
     sys.modules["tiering"] = package
     from tiering.backends.lmdb import LMDBBackend
-    from tiering.keys import make_offload_key
+    from tiering.core.keys import make_offload_key
 
     path, n, block, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n)]

@@ -24,18 +24,18 @@ import torch
 
 from tiering.backends._fileops import FileOps
 from tiering.backends.base import BackendCapabilities, Outcome
-from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
 from tiering.config import load_config
-from tiering.deadline import DeadlineWatch
+from tiering.core.block_format import make_layout_fingerprint
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigError, ConfigurationError, TieringError
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.deadline import DeadlineWatch
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.shared_tier import SharedTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.observability.metrics import read_samples
-from tiering.shared_tier import SharedTier
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
 
 pytest_plugins = ["redis_fixtures"]
 
@@ -184,7 +184,7 @@ def test_a_store_past_its_deadline_stalls_the_tier_until_its_io_returns(
         rig.events(removed=False)
         blocking.ops, stored_before = {"put"}, tier.metrics.stored_blocks
         rig.hold(blocking.gate)
-        with caplog.at_level(logging.WARNING, logger="tiering.tier"):
+        with caplog.at_level(logging.WARNING, logger="tiering.managers.secondary_tier"):
             rig.store(6, wait=False)  # its write to the tier hangs
             manager.wait_idle(timeout=WAIT_S)  # returns once the deadline has passed
         # Failed, counted, reported once; the tier serves nothing meanwhile.

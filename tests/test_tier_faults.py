@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from tiering.backends._fileops import FileOps
-from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
+from tiering.core.block_format import make_layout_fingerprint
+from tiering.core.keys import OffloadKey, make_offload_key
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 4096
 FINGERPRINT = make_layout_fingerprint({"faults": ROW_BYTES})

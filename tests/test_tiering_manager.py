@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.backends.file import FileBackend, slot_bytes_for
 from tiering.backends.memory import MemoryBackend
+from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import InvalidKeyError, TieringError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.manager import CPUOffloadingManager
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.protocol import LookupResult, OffloadingEvent
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import _order as order_module
-from tiering.protocol import LookupResult, OffloadingEvent
-from tiering.tier import SecondaryTier
-from tiering.tiering_manager import TieringOffloadingManager
 
 ROW_BYTES = 256
 RETRY = LookupResult.RETRY

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tiering.core.hashing import ExtraKeys, PrefixHasher
 from tiering.errors import ConfigurationError, TieringError
-from tiering.hashing import ExtraKeys, PrefixHasher
 from tiering.replay.traces import (
     BUILTIN_TRACES,
     Request,

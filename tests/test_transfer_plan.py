@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import register_cross_layer_kv_cache, register_kv_caches
 from tiering.errors import BackendError, ConfigurationError, LayoutError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import register_cross_layer_kv_cache, register_kv_caches
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 from tiering.testing.copy_strategy_tests import (
     NUM_BLOCKS,
     NUM_SLOTS,

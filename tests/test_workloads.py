@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tiering.cli import main as cli_main
+from tiering.core.hashing import PrefixHasher
 from tiering.errors import InvalidKeyError
-from tiering.hashing import PrefixHasher
 from tiering.policies import HybridPolicy, available_policies
 from tiering.policies.admission import FrequencyGate
 from tiering.replay import load_trace

@@ -11,9 +11,9 @@ A block is one buffer (``bytes``-like, a numpy array or a contiguous CPU ``torch
 list of *runs*, ``(address or tensor or buffer, length)``, read or written in order: the memory of
 one page of an engine's host pool is often several runs (K and V, or one per layer). Blocks may be
 shorter than the tiers' slot: their true length is stored and verified (the framing of
-:mod:`tiering.backends.block_format`). Each call has an async form (``aexists``, ``aput``,
+:mod:`tiering.core.block_format`). Each call has an async form (``aexists``, ``aput``,
 ``aget``, for an engine's event loop) and a sync form, callable from any thread; both run the
-tiers' I/O on tiering's own :class:`~tiering.io_loop.IOLoop`, never on the caller's loop.
+tiers' I/O on tiering's own :class:`~tiering.managers.io_loop.IOLoop`, never on the caller's loop.
 
 What it keeps right. The tiers' metadata (index, eviction policy, pins, quarantine, metrics) is
 touched only under one lock, which is never held across I/O: a put reserves room (evicting by
@@ -43,18 +43,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiering.backends.base import Outcome
-from tiering.backends.block_format import (
+from tiering.config import TierConfig, build_tier
+from tiering.core.block_format import (
     FRAME_BYTES,
     FRAMING,
     frame_capacity,
     make_layout_fingerprint,
 )
-from tiering.config import TierConfig, build_tier
+from tiering.core.memory_runs import Block, EmbedError, Run, StagingRows, as_runs, gather, scatter
 from tiering.errors import CorruptBlockError, InvalidKeyError, TieringError
-from tiering.io_loop import IOLoop
-from tiering.memory_runs import Block, EmbedError, Run, StagingRows, as_runs, gather, scatter
-from tiering.shared_tier import SharedTier
-from tiering.tier import IOResult, SecondaryTier, TierJob, TierKeyState
+from tiering.managers.io_loop import IOLoop
+from tiering.managers.secondary_tier import IOResult, SecondaryTier, TierJob, TierKeyState
+from tiering.managers.shared_tier import SharedTier
 
 __all__ = [
     "Block",

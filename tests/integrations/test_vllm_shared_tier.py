@@ -17,7 +17,7 @@ from vllm_harness import offloading_config as make_offloading_config
 
 from tiering.integrations import vllm_plugin
 from tiering.integrations.vllm import TieringManager
-from tiering.shared_tier import SharedTier
+from tiering.managers.shared_tier import SharedTier
 from tiering.testing.redis_servers import RedisServer, find_redis_cli, find_redis_server
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY

@@ -13,7 +13,7 @@ import json
 import sys
 
 from tiering.config import build_manager, parse_config
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 from tiering.observability.prometheus import MultiprocessExporter
 
 CONFIG = {

@@ -15,7 +15,7 @@ import sys
 
 from tiering.backends.base import Outcome
 from tiering.backends.redis import RedisBackend
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 
 BLOCK_BYTES = 64 << 10
 

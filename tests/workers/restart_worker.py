@@ -15,7 +15,7 @@ import time
 import torch
 
 from tiering.config import build_manager, build_pool, load_config
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 
 
 def key(i: int) -> OffloadKey:

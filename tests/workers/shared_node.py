@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from tiering.config import build_manager, build_pool, load_config
-from tiering.hashing import ExtraKeys, PrefixHasher
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.hashing import ExtraKeys, PrefixHasher
+from tiering.core.keys import OffloadKey, make_offload_key
 
 FINGERPRINT = b"shared-nodes-fp1"
 TOKENS_PER_BLOCK = 16

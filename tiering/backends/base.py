@@ -46,7 +46,7 @@ Shared stores (``capabilities.shared``)
     keys, ``contains`` asks the store (one batched round trip), and a key it reported may be
     gone by the next ``get`` (``MISSING``). Its capacity is the store's: ``put`` is ``FULL``
     only when the store refuses for lack of room. Such a backend is run by a
-    :class:`~tiering.shared_tier.SharedTier`, which never deletes and never evicts.
+    :class:`~tiering.managers.shared_tier.SharedTier`, which never deletes and never evicts.
 Optional methods (defaults here; a shared backend should override both)
     ``exists`` answers like ``contains`` but may say "unknown" (None) for a key whose part of
     the store did not answer, which a shared tier must not remember as "absent". The default
@@ -123,7 +123,7 @@ class StorageBackend(ABC):
     ``block_bytes`` (the payload size of every block) and ``fingerprint`` (16 bytes naming the
     layout the blocks belong to; see ``block_format.make_layout_fingerprint``). A backend may
     also accept ``layout_description`` (what the fingerprint stands for, see
-    :func:`tiering.identity.layout_identity`), to name layouts in its messages and marker.
+    :func:`tiering.core.identity.layout_identity`), to name layouts in its messages and marker.
     """
 
     #: The name the backend is registered under ("file", "lmdb", ...).

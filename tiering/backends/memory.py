@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Sequence
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
-from tiering.backends.block_format import HEADER_BYTES, pack_header, unpack_header, verify_block
+from tiering.core.block_format import HEADER_BYTES, pack_header, unpack_header, verify_block
+from tiering.core.keys import check_keys
 from tiering.errors import BackendError, CorruptBlockError
-from tiering.keys import check_keys
 
 __all__ = ["YIELD_EVERY_BYTES", "MemoryBackend"]
 

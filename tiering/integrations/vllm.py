@@ -12,11 +12,12 @@ vLLM's, unchanged: each worker maps the shared offload region
 (``/dev/shm/vllm_offload_<engine_id>.mmap``) and its ``CPUOffloadingWorker`` copies GPU blocks
 to and from the region's rows. Its scheduler side is :class:`TieringManager`, a vLLM
 ``OffloadingManager`` backed by tiering's step-driven
-:class:`~tiering.tiering_manager.TieringOffloadingManager`: the CPU tier, whose slot ``i`` is
+:class:`~tiering.managers.tiering_manager.TieringOffloadingManager`: the CPU tier, whose slot ``i``
+is
 the region's row ``i`` (``cpu_bytes_to_use`` sizes it, as for vLLM's own specs), and below it
 the tiers of the YAML file (file, LMDB, plugins), which read and write those rows directly.
 
-How vLLM's calls map onto tiering's (``T.`` is :class:`tiering.protocol.LookupResult`):
+How vLLM's calls map onto tiering's (``T.`` is :class:`tiering.managers.protocol.LookupResult`):
 
 ==========================  =================================================================
 vLLM 0.33                   tiering
@@ -30,7 +31,8 @@ vLLM 0.33                   tiering
                             window is found; ``RETRY`` would reset the window's streak and
                             scan (and promote) further left. vLLM's own tiering manager
                             answers ``HIT_PENDING`` after starting a promotion too. Only a
-                            shared tier (``tiering.shared_tier``) gives vLLM's ``RETRY``: while
+                            shared tier (``tiering.managers.shared_tier``) gives vLLM's ``RETRY``:
+                            while
                             it asks its store whether it holds a key, the key's location is
                             unknown (``TieringOffloadingManager.location_unknown``), as with
                             vLLM's own object-store tier. While promotions are held after a
@@ -99,15 +101,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering import CPUOffloadingManager, TieringOffloadingManager
 from tiering.config import TieringConfig, build_tier, load_config
+from tiering.core.keys import OffloadKey as Key
 from tiering.errors import ConfigError
 from tiering.integrations.vllm_extra import check_spec_extra, spec_int
 from tiering.integrations.vllm_identity import model_identity_of
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
 from tiering.integrations.vllm_requests import RequestAccesses
 from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
-from tiering.keys import OffloadKey as Key
-from tiering.protocol import LookupResult as TieringLookupResult
-from tiering.protocol import OffloadingEvent as TieringEvent
+from tiering.managers.protocol import LookupResult as TieringLookupResult
+from tiering.managers.protocol import OffloadingEvent as TieringEvent
 
 __all__ = ["INFO_KEYS", "PRIMARY_LABEL", "TieringManager", "TieringSpec"]
 

@@ -10,7 +10,7 @@ in a worker). From it, the identity covers:
 
 - the model (path or repository name), ``revision``, ``quantization`` and the model ``dtype``
   vLLM resolved;
-- the checkpoint's files (:mod:`tiering.model_identity`: ``config.json``, the safetensors index,
+- the checkpoint's files (:mod:`tiering.model.identity`: ``config.json``, the safetensors index,
   each file's header, size and sampled data) when the model is a local directory, or when a
   repository's snapshot for that revision is in the local Hugging Face cache (where vLLM
   downloaded it).
@@ -31,7 +31,7 @@ from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import OffloadingSpec
 
 from tiering.errors import TieringError
-from tiering.model_identity import model_identity
+from tiering.model.identity import model_identity
 
 __all__ = ["engine_model_config", "model_identity_of"]
 

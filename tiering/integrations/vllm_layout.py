@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_offload.base import OffloadingSpec
 
-from tiering.backends.block_format import make_layout_fingerprint
+from tiering.core.block_format import make_layout_fingerprint
 from tiering.integrations.vllm_identity import model_identity_of
 
 __all__ = ["LAYOUT_VERSION", "chunk_data_bytes", "layout_fingerprint", "layout_identity"]

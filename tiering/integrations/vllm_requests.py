@@ -16,7 +16,7 @@ from typing import Protocol, cast
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from tiering.keys import OffloadKey as Key
+from tiering.core.keys import OffloadKey as Key
 
 __all__ = ["RequestAccesses", "prefix_order"]
 

@@ -81,7 +81,7 @@ from tiering.config import TierConfig, build_backend, load_config, parse_config
 from tiering.errors import ConfigError, ProtocolError
 from tiering.integrations.vllm_extra import check_tier_entry
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
-from tiering.io_loop import IOLoop
+from tiering.managers.io_loop import IOLoop
 from tiering.policies import EvictionPolicy, make_policy
 
 if TYPE_CHECKING:

@@ -43,8 +43,8 @@ from typing import Any, Literal, Protocol
 import msgspec
 import zmq
 
+from tiering.core.keys import get_offload_block_hash, get_offload_group_idx
 from tiering.errors import ConfigurationError
-from tiering.keys import get_offload_block_hash, get_offload_group_idx
 
 __all__ = [
     "DEFAULT_ENDPOINT",

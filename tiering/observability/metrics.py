@@ -2,7 +2,8 @@
 
 Nothing here runs on the protocol's hot path. The manager and its tiers keep plain integer
 counters (``manager.metrics()``, each tier's ``TierMetrics``, each backend's ``BackendStats``)
-and each tier's job latencies in fixed memory (:class:`~tiering.latency.LatencyRecord`, with
+and each tier's job latencies in fixed memory (:class:`~tiering.managers.latency.LatencyRecord`,
+with
 exact histogram buckets); :func:`read_samples` and :func:`latency_records` read them when asked
 (at a Prometheus scrape, or on an exporter's timer). Reading from another thread is safe: every
 value read is one attribute, one ``len()`` or one copy of a list, each atomic under the GIL,
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from tiering.latency import LATENCY_BUCKETS_S, LatencyRecord
+from tiering.managers.latency import LATENCY_BUCKETS_S, LatencyRecord
 
 __all__ = [
     "CATALOGUE",

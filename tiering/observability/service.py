@@ -14,6 +14,7 @@ from types import TracebackType
 from prometheus_client import CollectorRegistry
 
 from tiering.config import TieringConfig
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.observability.kv_events import KVEventPublisher
 from tiering.observability.prometheus import (
     MULTIPROC_DIR_ENV,
@@ -23,7 +24,6 @@ from tiering.observability.prometheus import (
     multiprocess_registry,
     start_metrics_server,
 )
-from tiering.tiering_manager import TieringOffloadingManager
 
 __all__ = ["Observability"]
 

@@ -10,8 +10,8 @@ register_policy(VLLMARCPolicy.name, VLLMARCPolicy)
 
 from __future__ import annotations
 
+from tiering.core.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.errors import ConfigurationError
-from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.arc_vllm import VLLMARCPolicy
 from tiering.policies.base import EvictionPolicy

@@ -39,8 +39,8 @@ from tiering.config import (
     load_config,
     wipe_tiers,
 )
+from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError, TieringError
-from tiering.hashing import PrefixHasher
 from tiering.observability.service import Observability
 from tiering.policies import get_policy_class
 from tiering.replay.block_trace import (

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.hashing import ExtraKeys, PrefixHasher
+from tiering.core.layout import CanonicalKVCaches
+from tiering.core.store_plan import NULL_BLOCK_ID, plan_store
 from tiering.errors import TieringError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.hashing import ExtraKeys, PrefixHasher
-from tiering.layout import CanonicalKVCaches
+from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.replay.traces import Request
-from tiering.store_plan import NULL_BLOCK_ID, plan_store
-from tiering.tiering_manager import TieringOffloadingManager
 from tiering.transfer import PoolTransfer, TransferEngine, TransferHandle
 
 __all__ = ["RequestResult", "SimulatedEngine"]

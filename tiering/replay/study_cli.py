@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tiering.config import WORKLOAD_TRACES, TieringConfig, load_config
+from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
-from tiering.hashing import PrefixHasher
 from tiering.policies import available_policies, get_policy_class
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, is_mooncake_file, read_mooncake
 from tiering.replay.study import (

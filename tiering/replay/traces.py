@@ -100,8 +100,8 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from tiering.config import BUILTIN_TRACES, SCALES
+from tiering.core.hashing import ExtraKeys, PrefixHasher
 from tiering.errors import ConfigurationError, TieringError
-from tiering.hashing import ExtraKeys, PrefixHasher
 
 __all__ = [
     "BUILTIN_TRACES",

@@ -4,7 +4,7 @@
 module and implement ``make_backend`` (see :mod:`tiering.testing.backend_tests`).
 ``PolicyTests`` is the conformance suite for eviction policies: subclass it and override the
 ``policy_factory`` fixture (see :mod:`tiering.testing.policy_tests`). ``ManagerTests`` is the
-conformance suite for scheduler-side managers (the protocol in :mod:`tiering.protocol`):
+conformance suite for scheduler-side managers (the protocol in :mod:`tiering.managers.protocol`):
 subclass it and implement ``make_manager`` (see :mod:`tiering.testing.manager_tests`).
 ``CopyStrategyTests`` is the conformance suite for GPU <-> CPU copy strategies: subclass it and
 name the strategy and device (see :mod:`tiering.testing.copy_strategy_tests`).

@@ -72,8 +72,8 @@ from typing import ClassVar
 import pytest
 
 from tiering.backends.base import Outcome, StorageBackend
+from tiering.core.keys import make_offload_key
 from tiering.errors import BackendError, InvalidKeyError
-from tiering.keys import make_offload_key
 from tiering.testing.embed_tests import EmbedTests
 from tiering.testing.loop_use import measure_loop_use
 

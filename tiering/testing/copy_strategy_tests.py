@@ -29,14 +29,14 @@ import numpy as np
 import pytest
 import torch
 
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import (
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import (
     CanonicalKVCaches,
     LayerTensors,
     register_cross_layer_kv_cache,
     register_kv_caches,
 )
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 from tiering.transfer import (
     CopyBackend,
     PoolTransfer,

@@ -13,10 +13,10 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tiering.backends.block_format import FRAME_BYTES
+from tiering.core.block_format import FRAME_BYTES
 from tiering.embed import EmbedError, TierStore
-from tiering.shared_tier import SharedTier
-from tiering.tier import SecondaryTier
+from tiering.managers.secondary_tier import SecondaryTier
+from tiering.managers.shared_tier import SharedTier
 
 if TYPE_CHECKING:
     from tiering.backends.base import StorageBackend

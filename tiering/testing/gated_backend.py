@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
 from tiering.errors import BackendError
-from tiering.tier import TierJob
+from tiering.managers.secondary_tier import TierJob
 
 __all__ = ["GatedBackend", "ParkedCall", "wait_until_quiet"]
 

@@ -1,4 +1,5 @@
-"""``ManagerTests``: the conformance suite every :class:`~tiering.protocol.OffloadingManager`
+"""``ManagerTests``: the conformance suite every
+:class:`~tiering.managers.protocol.OffloadingManager`
 must pass, shipped in the package so that engine-adapter and remote-tier authors can run it on
 their own managers.
 
@@ -33,7 +34,8 @@ Subclass it in a test module (the class name must start with ``Test``) and imple
 Requirements: pytest. Each test builds its managers with the ``new_manager`` fixture, which shuts
 them down afterwards, so no fixture needs overriding.
 
-What it checks (the contract in :class:`tiering.protocol.OffloadingManager`): lookup answers in
+What it checks (the contract in :class:`tiering.managers.protocol.OffloadingManager`): lookup
+answers in
 every block state and ``lookup`` agreeing with ``lookup_result``; prefix lookups; hybrid lookups
 and the ``engine_recomputes_last_token`` alignment; load and store lifecycles, slot numbers and
 pins; ``None`` from ``prepare_store`` with nothing changed; failed stores; exact LRU eviction
@@ -43,7 +45,7 @@ misuse errors (typed, naming the argument, nothing changed); the same answers fr
 calls on every run for a step-driven manager; ``shutdown`` idempotent. With
 ``has_lower_tiers``: an evicted block is promoted back (``RETRY``, then ``HIT``) bit-exact.
 With ``shared_lower_tier`` (the lowest tier is shared with other managers: a
-:class:`~tiering.shared_tier.SharedTier`): a key no tier holds answers ``RETRY`` until the
+:class:`~tiering.managers.shared_tier.SharedTier`): a key no tier holds answers ``RETRY`` until the
 shared tier's existence check has settled, then ``MISS``; the shared tier emits no events.
 """
 
@@ -56,10 +58,10 @@ from typing import Any, ClassVar, cast
 import numpy as np
 import pytest
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import InvalidArgumentError, InvalidKeyError, ProtocolError, TieringError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.keys import OffloadKey, make_offload_key
-from tiering.protocol import (
+from tiering.managers.protocol import (
     LookupResult,
     OffloadingEvent,
     OffloadingManager,

@@ -43,9 +43,9 @@ from typing import Literal
 
 import torch
 
+from tiering.core.layout import CanonicalKVCaches
 from tiering.errors import BackendError, ConfigurationError
-from tiering.layout import CanonicalKVCaches
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 from tiering.transfer.plan import (
     NULL_BLOCK_ID,
     CopyPlan,

@@ -7,7 +7,8 @@ sizes, ``first_sub_block``, double writes) and turns it into a :class:`CopyPlan`
 sides, plus the same entries merged where both sides continue each other. Strategies
 (:mod:`tiering.transfer.strategy`) only ever execute plans; they never validate.
 
-Where the bytes are (the row layout is in :mod:`tiering.pool`): block ``b`` of canonical tensor
+Where the bytes are (the row layout is in :mod:`tiering.managers.pool`): block ``b`` of canonical
+tensor
 ``t`` starts at byte ``b * block_stride_bytes[t]`` of the tensor; sub-block ``k`` of tensor
 ``t`` in slot ``s`` starts at byte ``s * row_bytes + part_offset[t] + k * page_bytes[t]`` of this
 rank's part of the pool. A group's refs into one tensor (the layers of a cross-layer page) that
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tiering.core.groups import GroupKind
+from tiering.core.layout import CanonicalKVCaches
 from tiering.errors import BackendError, ConfigurationError, LayoutError
-from tiering.groups import GroupKind
-from tiering.layout import CanonicalKVCaches
-from tiering.pool import CPUBlockPool
+from tiering.managers.pool import CPUBlockPool
 
 __all__ = [
     "NULL_BLOCK_ID",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from tiering.backends.base import StorageBackend
-from tiering.backends.block_format import HEADER_BYTES
+from tiering.core.block_format import HEADER_BYTES
 from tiering.errors import ConfigurationError
 from tiering.testing import BackendTests
 

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
-from tiering.backends.block_format import (
+from tiering.core.block_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
     pack_header,
     unpack_header,
     verify_block,
 )
+from tiering.core.keys import check_keys
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError, InvalidKeyError
-from tiering.keys import check_keys
 
 __all__ = ["DirectoryBackend", "DirectorySettings"]
 _T = TypeVar("_T")

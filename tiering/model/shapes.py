@@ -8,7 +8,8 @@ allocator gives every group the same page size, so one block id names the same b
 group's tensors; a Mamba layer's state is padded to that page).
 
 A shape describes one rank. The built-in shapes (:data:`MODEL_SHAPES`) are named presets;
-:mod:`tiering.hf_model` builds the shape of a real model from its Hugging Face ``config.json``.
+:mod:`tiering.model.hf_model` builds the shape of a real model from its Hugging Face
+``config.json``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
+from tiering.core.layout import CanonicalKVCaches, register_kv_caches
 from tiering.errors import ConfigurationError
-from tiering.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.layout import CanonicalKVCaches, register_kv_caches
 
 __all__ = ["MODEL_SHAPES", "GroupShape", "ModelShape", "get_model_shape"]
 

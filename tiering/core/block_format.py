@@ -17,7 +17,8 @@ Header, version 1, little-endian, ``HEADER_BYTES`` long::
     48     80   key, zero padded to MAX_KEY_BYTES
 
 xxh3 is not a cryptographic MAC: it detects corruption, not forgery. Keys themselves are
-SHA-256 chained hashes (see ``tiering.hashing``), and the header repeats the full key, so a block
+SHA-256 chained hashes (see ``tiering.core.hashing``), and the header repeats the full key, so a
+block
 read for key A that holds key B's bytes is rejected.
 
 Variable-length blocks (framing ``FRAMING``). A tier's blocks all occupy ``block_bytes`` (its

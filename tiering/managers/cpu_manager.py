@@ -2,9 +2,10 @@
 
 It runs in an engine's scheduler process and holds metadata only: which key is in which slot of
 the CPU pool, which blocks are being written or read, and the eviction order. The bytes live in a
-:class:`tiering.pool.CPUBlockPool` that workers copy into and out of. No call blocks or does I/O.
+:class:`tiering.managers.pool.CPUBlockPool` that workers copy into and out of. No call blocks or
+does I/O.
 
-It implements :class:`tiering.protocol.OffloadingManager`, whose docstring is the contract.
+It implements :class:`tiering.managers.protocol.OffloadingManager`, whose docstring is the contract.
 
 Block states: a block is *not ready* while it is written, then *ready*, and a ready block may be
 *pinned* by loads. Only ready, unpinned blocks may be evicted. A block is written either by a
@@ -27,10 +28,9 @@ from typing import cast
 
 import numpy as np
 
+from tiering.core.keys import OffloadKey, check_key, check_keys
 from tiering.errors import ConfigurationError, ProtocolError
-from tiering.keys import OffloadKey, check_key, check_keys
-from tiering.policies import EvictionPolicy, make_policy
-from tiering.protocol import (
+from tiering.managers.protocol import (
     HIT,
     HIT_PENDING,
     MISS,
@@ -45,6 +45,7 @@ from tiering.protocol import (
     reject_positional,
     request_key,
 )
+from tiering.policies import EvictionPolicy, make_policy
 
 __all__ = ["CPUOffloadingManager", "EvictionHook"]
 
@@ -212,7 +213,7 @@ class CPUOffloadingManager(OffloadingManager):
         return self.prepare_load_checked(check_keys(keys))
 
     def prepare_load_checked(self, key_list: list[OffloadKey]) -> LoadStoreSpec:
-        """:meth:`prepare_load` of keys :func:`~tiering.keys.check_keys` already checked (a
+        """:meth:`prepare_load` of keys :func:`~tiering.core.keys.check_keys` already checked (a
         tiering manager's call: one check per call)."""
         slots = self._slots
         not_ready = self._not_ready
@@ -240,7 +241,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.complete_load_checked(check_keys(keys))
 
     def complete_load_checked(self, key_list: list[OffloadKey]) -> None:
-        """:meth:`complete_load` of keys :func:`~tiering.keys.check_keys` already checked."""
+        """:meth:`complete_load` of keys :func:`~tiering.core.keys.check_keys` already checked."""
         pins = self._pins
         get = pins.get
         unpinned: list[OffloadKey] = []
@@ -311,7 +312,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.touch(check_keys(keys))
 
     def touch_checked(self, key_list: list[OffloadKey]) -> None:
-        """:meth:`touch` of keys :func:`~tiering.keys.check_keys` already checked."""
+        """:meth:`touch` of keys :func:`~tiering.core.keys.check_keys` already checked."""
         self._policy.touch(key_list)
 
     def refresh(
@@ -343,7 +344,7 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store_checked(
         self, key_list: list[OffloadKey], req_context: object = None
     ) -> PrepareStoreOutput | None:
-        """:meth:`prepare_store` of keys :func:`~tiering.keys.check_keys` already checked."""
+        """:meth:`prepare_store` of keys :func:`~tiering.core.keys.check_keys` already checked."""
         owner = request_key(req_context)  # before anything is counted
         slots_of = self._slots
         to_store = [k for k in dict.fromkeys(key_list) if k not in slots_of]
@@ -459,7 +460,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store_checked(
         self, key_list: list[OffloadKey], success: bool, req_context: object = None
     ) -> list[OffloadKey]:
-        """:meth:`complete_store` of keys :func:`~tiering.keys.check_keys` already checked;
+        """:meth:`complete_store` of keys :func:`~tiering.core.keys.check_keys` already checked;
         returns the keys it finished, in order, once each."""
         owner = request_key(req_context)
         owners = self._store_owner

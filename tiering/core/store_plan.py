@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiering.core.groups import KVCacheSpec
+from tiering.core.keys import OffloadKey, get_offload_group_idx
 from tiering.errors import ConfigurationError, InvalidKeyError
-from tiering.groups import KVCacheSpec
-from tiering.keys import OffloadKey, get_offload_group_idx
 
 __all__ = ["NULL_BLOCK_ID", "StoreCandidates", "StoreJob", "plan_store"]
 

@@ -4,7 +4,7 @@ Two processes may share a tier only if their blocks mean the same thing: the sam
 groups and page sizes, dtype, world size, offloaded-block geometry and hashing scheme. The
 fingerprint of that description is written in every block header; a block written under another
 fingerprint is never served (peers have served KV of another dtype or model this way). The
-model's part names its checkpoint too (:mod:`tiering.model_identity`): a fine-tune or another
+model's part names its checkpoint too (:mod:`tiering.model.identity`): a fine-tune or another
 revision of one architecture has the same geometry but other KV.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiering.backends.block_format import make_layout_fingerprint
-from tiering.groups import KVCacheSpec
+from tiering.core.block_format import make_layout_fingerprint
+from tiering.core.groups import KVCacheSpec
 
 __all__ = ["layout_fingerprint", "layout_identity"]
 
@@ -29,7 +29,7 @@ def layout_identity(
     weights: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """A JSON-serializable description of the layout of one offloaded block (one pool row).
-    ``weights`` names the checkpoint (:meth:`tiering.model_identity.ModelIdentity.fingerprint_part`;
+    ``weights`` names the checkpoint (:meth:`tiering.model.identity.ModelIdentity.fingerprint_part`;
     None: nothing does)."""
     description: dict[str, object] = {
         "model": model,

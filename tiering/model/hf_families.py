@@ -1,4 +1,5 @@
-"""The model families :mod:`tiering.hf_model` reads, and what each one's ``transformers`` config
+"""The model families :mod:`tiering.model.hf_model` reads, and what each one's ``transformers``
+config
 class assumes for a field its ``config.json`` leaves out.
 
 A Hugging Face ``config.json`` holds only what differs from its config class's defaults: Gemma 3's

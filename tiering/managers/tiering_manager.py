@@ -1,7 +1,8 @@
 """The tiering manager: the CPU primary tier composed with secondary tiers.
 
-It implements :class:`tiering.protocol.OffloadingManager` (whose docstring is the contract) over
-a :class:`~tiering.manager.CPUOffloadingManager` and adds what tiers need:
+It implements :class:`tiering.managers.protocol.OffloadingManager` (whose docstring is the
+contract) over
+a :class:`~tiering.managers.cpu_manager.CPUOffloadingManager` and adds what tiers need:
 
 - a lookup asks the primary, then each secondary tier in order (from their in-memory indexes);
   a key found only in a secondary tier starts a *promotion* into a primary slot and answers
@@ -12,11 +13,13 @@ a :class:`~tiering.manager.CPUOffloadingManager` and adds what tiers need:
   counted) while promotions wait their turn;
 - a failed or corrupt promotion is a miss, counted, and quarantined, never retried in a loop.
 
-The tiers own their jobs (:mod:`tiering.tier`): a tier decides what to write or read, reserves
+The tiers own their jobs (:mod:`tiering.managers.secondary_tier`): a tier decides what to write or
+read, reserves
 room, counts, and builds the I/O; this manager only holds the primary rows a job uses, submits
 the job, emits its events, and hands its result back to the tier.
 
-A shared tier (:mod:`tiering.shared_tier`, at most one, the last) has no index: a key that no
+A shared tier (:mod:`tiering.managers.shared_tier`, at most one, the last) has no index: a key that
+no
 local tier holds, and that the shared tier knows nothing of (``TierKeyState.UNKNOWN``), joins its
 request's batch like a promotion and answers ``RETRY``; the batch's unknown keys become one
 existence check of the shared tier, and the keys it finds are promoted when its result applies.
@@ -24,7 +27,8 @@ Without a shared tier none of this runs: no tier answers UNKNOWN, and an absent 
 same branches as before.
 
 Threads. Every protocol call runs on the caller's thread and never blocks on I/O: jobs run on a
-private I/O loop thread (:class:`~tiering.io_loop.IOLoop`); a finished job only enqueues its
+private I/O loop thread (:class:`~tiering.managers.io_loop.IOLoop`); a finished job only enqueues
+its
 result, which is applied on the caller's thread. All metadata is therefore touched by one
 thread, so no locks sit on the hot path. Call the manager from one thread (or one event loop)
 at a time.
@@ -62,14 +66,14 @@ import cachetools
 import numpy as np
 import torch
 
-from tiering.deadline import JobTimedOut
+from tiering.core.groups import KVCacheSpec
+from tiering.core.keys import OffloadKey, check_key, check_keys
+from tiering.core.lookup import KeyState, check_hybrid_args, find_hybrid_hit
 from tiering.errors import ConfigurationError, TieringError
-from tiering.groups import KVCacheSpec
-from tiering.io_loop import IOLoop
-from tiering.keys import OffloadKey, check_key, check_keys
-from tiering.lookup import KeyState, check_hybrid_args, find_hybrid_hit
-from tiering.manager import CPUOffloadingManager
-from tiering.protocol import (
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.deadline import JobTimedOut
+from tiering.managers.io_loop import IOLoop
+from tiering.managers.protocol import (
     AS_BOOL,
     HIT,
     HIT_PENDING,
@@ -86,9 +90,9 @@ from tiering.protocol import (
     reject_positional,
     request_key,
 )
-from tiering.shared_tier import SharedTier
-from tiering.stalls import JobDeadlines, late_result
-from tiering.tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
+from tiering.managers.secondary_tier import SecondaryTier, TierJob, TierKeyState, WritePolicy
+from tiering.managers.shared_tier import SharedTier
+from tiering.managers.stalls import JobDeadlines, late_result
 
 __all__ = ["TieringOffloadingManager"]
 
@@ -139,14 +143,15 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     """A CPU primary tier plus ordered secondary tiers, behind the manager protocol.
 
     ``pool`` holds the primary tier's bytes: a ``(num_blocks, row_bytes)`` uint8 tensor, or an
-    object with ``rows_view()`` returning one (a :class:`~tiering.pool.CPUBlockPool`). Row ``i``
+    object with ``rows_view()`` returning one (a :class:`~tiering.managers.pool.CPUBlockPool`). Row
+    ``i``
     is slot ``i`` of ``primary``, every rank's part of one offloaded block, and each tier's
     backend must store blocks of ``row_bytes``. Tiers open on the I/O loop as the manager starts;
     until a tier is open its lookups answer "absent" (call :meth:`wait_ready` to wait); a tier
     that fails to open is degraded and the others go on serving. ``store_threshold`` is the
     primary's (``CPUOffloadingManager(..., store_threshold=N)``); promotions are not offers.
     ``step_driven`` chooses when background results apply (see the module docstring). Every
-    tier job has a deadline, its tier's ``io_timeout_s`` (:mod:`tiering.stalls`).
+    tier job has a deadline, its tier's ``io_timeout_s`` (:mod:`tiering.managers.stalls`).
     """
 
     def __init__(
@@ -294,7 +299,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     async def _run_job(self, job: TierJob, on_done: Callable[[TierJob, Any], None]) -> None:
         """Run ``job.io`` on the I/O loop and queue its result before the job's future completes
         (so a caller that sees the future done finds the result queued); a result past the
-        job's deadline is queued as late (:mod:`tiering.stalls`)."""
+        job's deadline is queued as late (:mod:`tiering.managers.stalls`)."""
         try:
             result: object = await job.io
         except BaseException as exc:  # the tiers return their failures; queue anything else too
@@ -589,7 +594,7 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         req_context: object = None,
         engine_recomputes_last_token: bool = False,
     ) -> int | None:
-        """Hybrid lookup across KV-cache groups (see :mod:`tiering.lookup`): the number of
+        """Hybrid lookup across KV-cache groups (see :mod:`tiering.core.lookup`): the number of
         tokens loadable from the primary, or None while needed blocks are written or promoted.
 
         Groups may be split across tiers: a block only in a secondary tier counts as pending and
@@ -1098,7 +1103,8 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
     def get_stats(self) -> ManagerStats:
         """Counters per tier since the previous call (deltas): ``"CPU"`` as
         :meth:`CPUOffloadingManager.get_stats` plus ``promotions_without_space``; each tier by
-        name with its :class:`~tiering.tier.TierMetrics` counters (``lookup_hits``,
+        name with its :class:`~tiering.managers.secondary_tier.TierMetrics` counters
+        (``lookup_hits``,
         ``promoted_blocks``, ``bytes_read``, ``stored_blocks``, ``bytes_written``,
         ``store_failures``, ``promotion_failures``, ``corrupt_blocks``, ``stores_shed``,
         ``open_failures``, ...). :meth:`metrics` has the totals."""
@@ -1122,7 +1128,8 @@ class TieringOffloadingManager(JobDeadlines, OffloadingManager):
         there, ``lookup_pending``: being written there, ``lookup_misses``: not there) and the
         primary's own counters (:meth:`CPUOffloadingManager.counters`: ``stored_blocks``,
         ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``). Each
-        tier by name: its state, usage, :class:`~tiering.tier.TierMetrics` counters and its
+        tier by name: its state, usage, :class:`~tiering.managers.secondary_tier.TierMetrics`
+        counters and its
         backend's stats."""
         counts = self._lookups
         hits, pending, misses = counts.hits, counts.pending, counts.misses

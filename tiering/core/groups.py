@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import ConfigurationError
-from tiering.keys import OffloadKey, make_offload_key
 
 __all__ = ["GroupKind", "KVCacheGroup", "KVCacheSpec"]
 

@@ -41,11 +41,11 @@ import cachetools
 import numpy as np
 
 from tiering.backends.base import Outcome, StorageBackend
-from tiering.deadline import Timer
 from tiering.errors import ConfigurationError, TieringError
-from tiering.latency import LatencyRecord
+from tiering.managers.deadline import Timer
+from tiering.managers.latency import LatencyRecord
+from tiering.managers.protocol import ConfigInfo
 from tiering.policies import EvictionPolicy, make_policy
-from tiering.protocol import ConfigInfo
 
 __all__ = [
     "IOResult",
@@ -81,7 +81,8 @@ class TierKeyState(enum.IntEnum):
 @dataclass
 class TierMetrics:
     """Counters of one tier (cumulative); job latencies in seconds, one sample per job, in
-    fixed memory (:class:`~tiering.latency.LatencyRecord`: exact count, total and histogram,
+    fixed memory (:class:`~tiering.managers.latency.LatencyRecord`: exact count, total and
+    histogram,
     sampled percentiles)."""
 
     lookup_hits: int = 0
@@ -140,7 +141,8 @@ class TierJob:
     seq: int = 0  # submission order (set by the manager): results apply in this order
     epoch: int = 0  # the manager's step when submitted (set by the manager)
     started_s: float = field(default_factory=time.perf_counter)
-    # Deadlines (tiering.deadline; set by the manager): ``future`` settles when the I/O returns
+    # Deadlines (tiering.managers.deadline; set by the manager): ``future`` settles when the I/O
+    # returns
     # or the deadline passes, whichever is first; ``io_future`` only when the I/O returns.
     io_future: concurrent.futures.Future[Any] | None = None
     timer: Timer | None = None
@@ -200,7 +202,8 @@ class SecondaryTier:
     backend (a ``purge`` job) before the index forgets them.
     """
 
-    #: Whether the backend's store is shared with other engine nodes (:mod:`tiering.shared_tier`).
+    #: Whether the backend's store is shared with other engine nodes
+    # (:mod:`tiering.managers.shared_tier`).
     shared: ClassVar[bool] = False
 
     def __init__(
@@ -223,7 +226,8 @@ class SecondaryTier:
             raise ConfigurationError(
                 f"tier {self.name!r}: the {backend.name!r} backend is shared (others write and "
                 "evict its store), and this tier evicts by deleting: it would delete other "
-                "nodes' blocks. Run it as a tiering.shared_tier.SharedTier (build_manager does)"
+                "nodes' blocks. Run it as a tiering.managers.shared_tier.SharedTier "
+                "(build_manager does)"
             )
         try:
             self.write_policy = WritePolicy(write_policy)

@@ -16,7 +16,7 @@ tier's other keys against that class (see :mod:`tiering.backends.settings`).
 
 :func:`check_backend_type` checks a type without importing anything: a plugin's code runs only
 when :func:`get_backend` resolves it (when a manager is built). Discovery and imports go through
-:mod:`tiering.plugin_loader`, as for policy plugins (group ``tiering.policies``,
+:mod:`tiering.core.plugin_loader`, as for policy plugins (group ``tiering.policies``,
 :data:`POLICY_PLUGINS`). A broken entry point (import error, wrong class) fails only its own
 name, with a :class:`ConfigurationError` naming the entry point and its distribution.
 
@@ -44,8 +44,8 @@ from tiering.backends.settings import (
     SettingsField,
     settings_fields,
 )
+from tiering.core.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.errors import ConfigurationError
-from tiering.plugin_loader import PluginGroup, check_import_path, import_object
 from tiering.policies.registry import POLICY_ENTRY_POINT_GROUP, POLICY_PLUGINS
 
 __all__ = [

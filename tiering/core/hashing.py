@@ -4,7 +4,8 @@ Token ids are cut into *hash blocks* of ``hash_block_size`` tokens. Every **full
 gets a digest that covers its parent's digest, its tokens and its extra keys (LoRA name,
 multimodal items); a trailing partial block gets none. Because each digest covers its parent,
 the digest of block ``i`` identifies the whole prefix ``tokens[: (i + 1) * hash_block_size]``.
-:meth:`tiering.groups.KVCacheSpec.offload_keys` turns these digests into per-group offload keys.
+:meth:`tiering.core.groups.KVCacheSpec.offload_keys` turns these digests into per-group offload
+keys.
 
 Unlike vLLM's default scheme there is no pickle, no builtin ``hash()`` and no random root: the
 same tokens and extra keys give the same digests in every process and on every machine, with or

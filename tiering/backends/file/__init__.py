@@ -8,7 +8,7 @@ Layout
     ``posix_fallocate`` so that writes into it cannot run out of space. A slot is a 4096-byte
     *header area* followed by the payload rounded up to 4096 bytes (so every slot, header and
     payload is aligned for ``O_DIRECT``). The header area holds the block header of
-    :mod:`tiering.backends.block_format` (128 bytes) and, right after it, a 16-byte *stamp*
+    :mod:`tiering.core.block_format` (128 bytes) and, right after it, a 16-byte *stamp*
     (a u64 sequence number and an xxh3-64 of header + sequence number); the rest is zero.
     Keys only ever live in headers: a slot is a number, so a hostile key never reaches the file
     system. ``manifest.json`` records the format version, slot size, block size, layout
@@ -49,7 +49,7 @@ O_DIRECT
     per-thread bounce buffer (``mmap``), which costs one extra memcpy per block (~0.1 ms per
     MiB here) and is counted in ``stats.extra["o_direct_bounces"]``. Note that torch's CPU
     allocator aligns tensors to 64 bytes only: a pool meant for O_DIRECT should be carved out
-    at a 4096-byte boundary (:class:`tiering.pool.CPUBlockPool` rows are). A run of
+    at a 4096-byte boundary (:class:`tiering.managers.pool.CPUBlockPool` rows are). A run of
     neighbouring bounced slots moves with one call through up to 8 MiB of bounce area per
     thread. Whether O_DIRECT pays is a property of the machine: see
     ``benchmarks/bench_file_tier.py``.
@@ -140,15 +140,6 @@ from tiering.backends.base import (
     StorageBackend,
     is_block_view,
 )
-from tiering.backends.block_format import (
-    HEADER_BYTES,
-    MAGIC,
-    MAX_KEY_BYTES,
-    checksum_in_parts,
-    pack_header,
-    unpack_header,
-    verify_block,
-)
 from tiering.backends.disk_guard import DiskGuard, allocated_bytes
 from tiering.backends.lanes import run_in_lanes
 from tiering.backends.ownership import (
@@ -168,8 +159,17 @@ from tiering.backends.ownership import (
 )
 from tiering.backends.settings import Durability, RecoverMode
 from tiering.backends.tier_lock import lock_exclusive
+from tiering.core.block_format import (
+    HEADER_BYTES,
+    MAGIC,
+    MAX_KEY_BYTES,
+    checksum_in_parts,
+    pack_header,
+    unpack_header,
+    verify_block,
+)
+from tiering.core.keys import check_keys
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
-from tiering.keys import check_keys
 
 __all__ = [
     "ALIGN_BYTES",

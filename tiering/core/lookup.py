@@ -27,8 +27,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tiering.core.groups import KVCacheSpec
 from tiering.errors import ConfigurationError, InvalidArgumentError
-from tiering.groups import KVCacheSpec
 
 __all__ = ["HybridHit", "KeyState", "check_hybrid_args", "find_hybrid_hit", "state_from_lookup"]
 

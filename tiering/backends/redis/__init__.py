@@ -6,11 +6,11 @@ asks for ``type: redis``.
 
 Values
     Two Redis strings per block, written by one ``MSET`` (atomic) and read by a ``GETRANGE``
-    of each that stops one byte past the string's size (:mod:`~tiering.backends.redis_reads`:
+    of each that stops one byte past the string's size (:mod:`~tiering.backends.redis.reads`:
     a value planted under a block's name is never read whole), named
     ``<key_prefix>:<layout fingerprint, hex>:{<offload key, hex>}:h`` and ``...:p``; the
     ``{...}`` hash tag puts both in one cluster slot. ``h``
-    holds the 128-byte :mod:`~tiering.backends.block_format` header (the full key, the layout
+    holds the 128-byte :mod:`~tiering.core.block_format` header (the full key, the layout
     fingerprint, the payload checksum) followed by the payload's last ``TAIL_BYTES`` (64); ``p``
     holds the rest of the payload. Every get checks the header (its own checksum, the key, the
     fingerprint, the size) and the payload checksum: a value that is corrupt, truncated, or
@@ -39,7 +39,7 @@ the socket into asyncio's stream buffer, copied out of it, fed into hiredis, whi
 no way to read a reply into a given buffer).
 
 Batching
-    A call groups its keys by the master that holds them (:mod:`tiering.backends.redis_nodes`)
+    A call groups its keys by the master that holds them (:mod:`tiering.backends.redis.nodes`)
     and sends each master pipelines of at most ``pipeline_bytes`` of values, at most
     ``pipelines_per_node`` gets and as many puts at a time per master (over all calls; apart, so
     that a get, on a request's critical path, never queues behind puts). A call of up to
@@ -124,17 +124,17 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installa
     ) from exc
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend, is_block_view
-from tiering.backends.block_format import (
+from tiering.backends.redis.nodes import ClientOptions, RedisNode, RedisNodes, parse_seeds
+from tiering.backends.redis.reads import BlockReads
+from tiering.core.block_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
     checksum,
     pack_header,
     unpack_header,
 )
-from tiering.backends.redis_nodes import ClientOptions, RedisNode, RedisNodes, parse_seeds
-from tiering.backends.redis_reads import BlockReads
+from tiering.core.keys import check_keys
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
-from tiering.keys import check_keys
 
 __all__ = ["RedisBackend", "RedisServerStats", "RedisSettings"]
 

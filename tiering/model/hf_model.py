@@ -1,8 +1,8 @@
 """A model's KV-cache geometry from its Hugging Face ``config.json``, read as plain JSON.
 
-:func:`model_shape_from_hf_config` turns the file into a :class:`~tiering.model_shapes.ModelShape`
+:func:`model_shape_from_hf_config` turns the file into a :class:`~tiering.model.shapes.ModelShape`
 of one rank, grouped and padded as vLLM 0.33 lays the model's cache out. The file is read
-through its family (``model_type``, :mod:`tiering.hf_families`): a field it leaves out takes
+through its family (``model_type``, :mod:`tiering.model.hf_families`): a field it leaves out takes
 the default of the family's ``transformers`` config class, and the layer kinds follow that
 class's rule; a ``model_type`` with no family here is refused, never guessed.
 
@@ -16,7 +16,7 @@ class's rule; a ``model_type`` with no family here is refused, never guessed.
 - **which layer is what**: the family's rule (``layer_types`` where its class reads them,
   ``sliding_window_pattern``, ``max_window_layers``, ``full_attention_interval``,
   ``attn_layer_period``/``attn_layer_offset``, ``attn_layer_indices``,
-  ``hybrid_override_pattern``; see :data:`tiering.hf_families.FAMILIES`).
+  ``hybrid_override_pattern``; see :data:`tiering.model.hf_families.FAMILIES`).
 - **Mamba state** per layer and rank, in the model dtype (vLLM's ``auto`` state dtypes): Mamba-1
   (``mamba_d_state``, ``mamba_d_conv``, ``mamba_expand``: Jamba), Mamba-2 (``mamba_n_heads``,
   ``mamba_d_head``, ``mamba_n_groups``, ``mamba_d_state``, ``mamba_d_conv`` and Nemotron-H's
@@ -45,15 +45,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tiering.core.groups import GroupKind
 from tiering.errors import ConfigError
-from tiering.groups import GroupKind
-from tiering.hf_families import (
+from tiering.model.hf_families import (
     MAX_WINDOW,
     ConfigFields,
     Family,
     resolve_fields,
 )
-from tiering.model_shapes import GroupShape, ModelShape
+from tiering.model.shapes import GroupShape, ModelShape
 
 __all__ = [
     "MAX_HF_CONFIG_BYTES",

@@ -1,10 +1,13 @@
 """The manager's side of tier-job deadlines: timed-out jobs, stalled tiers, late results.
 
-:class:`JobDeadlines` is mixed into :class:`~tiering.tiering_manager.TieringOffloadingManager`.
+:class:`JobDeadlines` is mixed into
+:class:`~tiering.managers.tiering_manager.TieringOffloadingManager`.
 Each store, promotion, existence check and delete the manager submits is armed with its tier's
-``io_timeout_s`` (:class:`~tiering.deadline.DeadlineWatch`). Whichever comes first, the job's
+``io_timeout_s`` (:class:`~tiering.managers.deadline.DeadlineWatch`). Whichever comes first, the
+job's
 I/O returning or its deadline passing, *claims* the job (under one lock) and queues the job's
-result, or a :class:`~tiering.deadline.JobTimedOut`; both are applied on the caller's thread like
+result, or a :class:`~tiering.managers.deadline.JobTimedOut`; both are applied on the caller's
+thread like
 every result (at the next call, or at a step boundary), so the engine's calls never wait.
 
 Opening a tier is the exception: past its deadline the tier only stops being waited for
@@ -30,11 +33,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tiering.deadline import DeadlineWatch, JobTimedOut
-from tiering.tier import SecondaryTier, TierJob
+from tiering.managers.deadline import DeadlineWatch, JobTimedOut
+from tiering.managers.secondary_tier import SecondaryTier, TierJob
 
 if TYPE_CHECKING:
-    from tiering.manager import CPUOffloadingManager
+    from tiering.managers.cpu_manager import CPUOffloadingManager
 
 __all__ = ["TIMED_KINDS", "JobDeadlines", "late_result"]
 

@@ -42,8 +42,8 @@ from typing import Literal
 
 import torch
 
+from tiering.core.groups import KVCacheSpec
 from tiering.errors import ConfigurationError, LayoutError
-from tiering.groups import KVCacheSpec
 
 __all__ = [
     "CanonicalKVCacheRef",

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from tiering.backends.block_format import read_frame, write_frame
+from tiering.core.block_format import read_frame, write_frame
 from tiering.errors import TieringError
 
 __all__ = [

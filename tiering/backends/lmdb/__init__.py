@@ -71,7 +71,7 @@ Map size
 Files and damage
     The directory is claimed as tiering's (:mod:`tiering.backends.ownership`): absent, empty or
     marked. Before ``lmdb.open`` maps the data file,
-    :func:`tiering.backends.lmdb_check.check_data_file` reads it with plain reads (meta pages,
+    :func:`tiering.backends.lmdb.check.check_data_file` reads it with plain reads (meta pages,
     file size against the last page, every B-tree page and overflow run): LMDB would die of
     SIGBUS on a truncated file. A file that fails is moved
     to ``data.mdb.damaged`` (one copy kept), its blocks counted in ``recovery_dropped_blocks``
@@ -133,18 +133,9 @@ from tiering.backends.base import (
     StorageBackend,
     is_block_view,
 )
-from tiering.backends.block_format import (
-    FORMAT_VERSION,
-    HEADER_BYTES,
-    MAX_KEY_BYTES,
-    checksum,
-    unpack_header,
-    verify_block,
-)
-from tiering.backends.block_format import pack_header as _pack_header
 from tiering.backends.disk_guard import DiskGuard, allocated_bytes
 from tiering.backends.lanes import LaneStep, run_in_lanes
-from tiering.backends.lmdb_check import check_data_file
+from tiering.backends.lmdb.check import check_data_file
 from tiering.backends.ownership import (
     DamagedStorageError,
     LayoutMismatchError,
@@ -163,8 +154,17 @@ from tiering.backends.ownership import (
 )
 from tiering.backends.settings import RecoverMode
 from tiering.backends.tier_lock import lock_exclusive
+from tiering.core.block_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    checksum,
+    unpack_header,
+    verify_block,
+)
+from tiering.core.block_format import pack_header as _pack_header
+from tiering.core.keys import check_keys
 from tiering.errors import BackendError, ConfigurationError, CorruptBlockError
-from tiering.keys import check_keys
 
 __all__ = ["LMDBBackend", "LMDBGeometry", "RecoverMode", "copy_and_checksum", "lmdb_geometry"]
 

@@ -50,6 +50,7 @@ from tiering.backends.ownership import (
     LayoutMismatchError,
     TierDirectoryError,
 )
+from tiering.backends.registry import get_backend
 from tiering.config import (
     BlockLayout,
     ConfigWarning,
@@ -66,7 +67,6 @@ from tiering.config import (
     wipe_tiers,
 )
 from tiering.errors import BackendError, ConfigError, TieringError
-from tiering.registry import get_backend
 from tiering.replay.progress import ProgressBar
 from tiering.transfer import machine_choice
 

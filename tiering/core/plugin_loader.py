@@ -1,7 +1,8 @@
 """Finding plugin classes: ``"package.module:Class"`` import paths and entry-point groups.
 
 The one place where ``tiering`` turns a name into code. Both registries (eviction policies in
-:mod:`tiering.policies.registry`, storage backends in :mod:`tiering.registry`) resolve names
+:mod:`tiering.policies.registry`, storage backends in :mod:`tiering.backends.registry`) resolve
+names
 through it, so they fail the same way, with a :class:`ConfigurationError` saying which module,
 attribute or entry point (and distribution) is at fault.
 

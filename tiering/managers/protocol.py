@@ -22,10 +22,10 @@ from typing import Final, NoReturn
 
 import numpy as np
 
+from tiering.core.groups import KVCacheSpec
+from tiering.core.keys import OffloadKey, check_keys
+from tiering.core.lookup import KeyState, check_hybrid_args, find_hybrid_hit
 from tiering.errors import InvalidArgumentError
-from tiering.groups import KVCacheSpec
-from tiering.keys import OffloadKey, check_keys
-from tiering.lookup import KeyState, check_hybrid_args, find_hybrid_hit
 
 __all__ = [
     "ConfigInfo",
@@ -82,7 +82,7 @@ _KEY_STATES: Final[dict[LookupResult, KeyState]] = {
 
 
 def key_state(result: LookupResult) -> KeyState:
-    """The :class:`~tiering.lookup.KeyState` a hybrid lookup counts for a lookup answer."""
+    """The :class:`~tiering.core.lookup.KeyState` a hybrid lookup counts for a lookup answer."""
     return _KEY_STATES[result]
 
 
@@ -289,7 +289,7 @@ class OffloadingManager(ABC):
         req_context: object = None,
         engine_recomputes_last_token: bool = False,
     ) -> int | None:
-        """Hybrid lookup across KV-cache groups (:func:`tiering.lookup.find_hybrid_hit`): the
+        """Hybrid lookup across KV-cache groups (:func:`tiering.core.lookup.find_hybrid_hit`): the
         number of prompt tokens loadable from the primary, or None while blocks the hit needs
         are written or promoted. With ``engine_recomputes_last_token`` a full-attention-only hit
         may cover the whole prompt (vLLM's rule); by default the last token is left to compute.

@@ -32,7 +32,6 @@ from typing import Any, Literal
 import yaml
 
 from tiering.backends.base import StorageBackend
-from tiering.backends.block_format import make_layout_fingerprint
 from tiering.backends.ownership import (
     LayoutMismatchError,
     LayoutRecord,
@@ -42,6 +41,14 @@ from tiering.backends.ownership import (
     examine_directory,
     foreign_directory_error,
     remove_owned_files,
+)
+from tiering.backends.registry import (
+    BUILTIN_BACKENDS,
+    GENERIC_TIER_KEYS,
+    NAME_PATTERN,
+    BackendEntry,
+    check_backend_type,
+    get_backend,
 )
 from tiering.backends.settings import (
     SIZE_JSON_SCHEMA,
@@ -54,27 +61,20 @@ from tiering.backends.settings import (
     unknown_key_message,
 )
 from tiering.backends.tier_lock import hold_directory_locks
+from tiering.core.block_format import make_layout_fingerprint
+from tiering.core.groups import KVCacheSpec
+from tiering.core.identity import layout_identity
 from tiering.errors import ConfigError, ConfigurationError
-from tiering.groups import KVCacheSpec
-from tiering.hf_model import cached_model_shape
-from tiering.identity import layout_identity
-from tiering.manager import CPUOffloadingManager
-from tiering.model_identity import ModelIdentity, model_identity, weights_id_problem
-from tiering.model_shapes import MODEL_SHAPES, ModelShape, get_model_shape
+from tiering.managers.cpu_manager import CPUOffloadingManager
+from tiering.managers.pool import CPUBlockPool
+from tiering.managers.secondary_tier import SecondaryTier, WritePolicy
+from tiering.managers.shared_tier import SharedTier
+from tiering.managers.tiering_manager import TieringOffloadingManager
+from tiering.model.hf_model import cached_model_shape
+from tiering.model.identity import ModelIdentity, model_identity, weights_id_problem
+from tiering.model.shapes import MODEL_SHAPES, ModelShape, get_model_shape
 from tiering.policies import get_policy_class
 from tiering.policies.registry import check_policy_name
-from tiering.pool import CPUBlockPool
-from tiering.registry import (
-    BUILTIN_BACKENDS,
-    GENERIC_TIER_KEYS,
-    NAME_PATTERN,
-    BackendEntry,
-    check_backend_type,
-    get_backend,
-)
-from tiering.shared_tier import SharedTier
-from tiering.tier import SecondaryTier, WritePolicy
-from tiering.tiering_manager import TieringOffloadingManager
 from tiering.transfer import CopyBackend
 
 __all__ = [
@@ -137,11 +137,11 @@ class ModelConfig:
     """What the blocks are: gives the block size in bytes and the layout fingerprint.
 
     Either ``shape`` (a built-in preset, one rank's geometry) or ``config_json`` (a model's
-    Hugging Face config.json, split over ``world_size`` ranks; see :mod:`tiering.hf_model`).
+    Hugging Face config.json, split over ``world_size`` ranks; see :mod:`tiering.model.hf_model`).
     """
 
     shape: str | None = field(
-        default=None, metadata={"doc": "a built-in model shape name (tiering.model_shapes)"}
+        default=None, metadata={"doc": "a built-in model shape name (tiering.model.shapes)"}
     )
     config_json: Path | None = field(
         default=None,
@@ -188,7 +188,7 @@ class ModelConfig:
         return cached_model_shape(self.config_json, world_size=self.world_size, name=self.name)
 
     def model_identity(self) -> ModelIdentity:
-        """The model's name and what names its weights (:mod:`tiering.model_identity`)."""
+        """The model's name and what names its weights (:mod:`tiering.model.identity`)."""
         return model_identity(
             self.model_shape().name, config_json=self.config_json, weights_id=self.weights_id
         )
@@ -420,7 +420,7 @@ class TieringConfig:
         return self.block_bytes_per_rank() * self.require_model().world_size
 
     def layout_description(self) -> dict[str, object]:
-        """What a stored block's bytes mean (:func:`tiering.identity.layout_identity`)."""
+        """What a stored block's bytes mean (:func:`tiering.core.identity.layout_identity`)."""
         shape = self.model_shape()
         return layout_identity(
             self.kv_cache_spec(),
@@ -1348,7 +1348,8 @@ def build_tier(
     layout_description: Mapping[str, Any] | None = None,
 ) -> SecondaryTier:
     """A :class:`SecondaryTier` over :func:`build_backend`'s backend (a
-    :class:`~tiering.shared_tier.SharedTier` if the backend is shared); :class:`ConfigError` if
+    :class:`~tiering.managers.shared_tier.SharedTier` if the backend is shared);
+    :class:`ConfigError` if
     the tier's settings cannot work with it."""
     backend = build_backend(
         tier,

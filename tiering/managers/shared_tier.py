@@ -1,7 +1,8 @@
 """A shared tier: a secondary tier whose store other engine nodes write and evict too (a Redis
 Cluster that every replica of a deployment points at), so the store is its own index.
 
-A :class:`~tiering.tier.SecondaryTier` owns what it stores: an in-memory index, an eviction
+A :class:`~tiering.managers.secondary_tier.SecondaryTier` owns what it stores: an in-memory index,
+an eviction
 policy, a byte budget; it evicts by deleting. A shared tier can own none of that: other nodes
 write blocks it never hears of, and the store evicts blocks by itself (Redis ``maxmemory``).
 So a :class:`SharedTier`
@@ -35,7 +36,8 @@ So a :class:`SharedTier`
   nodes' blocks are theirs. Restart the node with a fresh ``key_prefix`` (every node that
   changed weights the same) to share again.
 
-Its jobs follow :mod:`tiering.tier`: the manager pins the primary rows a job uses, submits it,
+Its jobs follow :mod:`tiering.managers.secondary_tier`: the manager pins the primary rows a job
+uses, submits it,
 and hands its result back; the tier decides and counts (:class:`SharedTierMetrics`).
 """
 
@@ -51,11 +53,11 @@ from typing import ClassVar
 import cachetools
 
 from tiering.backends.base import Outcome, StorageBackend
-from tiering.backends.block_format import MAX_KEY_BYTES
+from tiering.core.block_format import MAX_KEY_BYTES
+from tiering.core.keys import GROUP_INDEX_BYTES
 from tiering.errors import ConfigurationError
-from tiering.keys import GROUP_INDEX_BYTES
-from tiering.protocol import ConfigInfo
-from tiering.tier import (
+from tiering.managers.protocol import ConfigInfo
+from tiering.managers.secondary_tier import (
     PromotionResult,
     SecondaryTier,
     StoreResult,
@@ -75,7 +77,8 @@ READY, ABSENT, UNKNOWN = TierKeyState.READY, TierKeyState.ABSENT, TierKeyState.U
 
 @dataclass
 class SharedTierMetrics(TierMetrics):
-    """A shared tier's counters: :class:`~tiering.tier.TierMetrics` plus its existence checks.
+    """A shared tier's counters: :class:`~tiering.managers.secondary_tier.TierMetrics` plus its
+    existence checks.
 
     ``lookup_hits`` counts lookups the cache answered "present"; ``cached_misses`` those it
     answered "absent" (or the key was quarantined) without asking the store. ``stored_blocks``
