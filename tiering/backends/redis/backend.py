@@ -82,9 +82,18 @@ class RedisBackend(StorageBackend):
         pipelines = Pipelines(faults, per_pipeline=max(1, s.pipeline_bytes // self.block_bytes))
         self._pipelines = pipelines
         ttl_ms = None if s.ttl_s is None else max(1, round(s.ttl_s * 1000))
-        parts = {"block_format": self._format, "pipelines": pipelines, "held": self._held}
-        self._puts = Puts(**parts, faults=faults, stats=self.stats, ttl_ms=ttl_ms)
-        self._gets = Gets(**parts, faults=faults, stats=self.stats)
+        block_format, held, stats = self._format, self._held, self.stats
+        self._puts = Puts(
+            block_format=block_format,
+            pipelines=pipelines,
+            held=held,
+            faults=faults,
+            stats=stats,
+            ttl_ms=ttl_ms,
+        )
+        self._gets = Gets(
+            block_format=block_format, pipelines=pipelines, held=held, faults=faults, stats=stats
+        )
 
     # -- names ----------------------------------------------------------------------------------
 
