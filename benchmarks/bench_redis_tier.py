@@ -12,7 +12,8 @@ into rows of a preallocated torch uint8 pool, ``--batch`` blocks per call:
   bare payload straight from the row (a get copies the reply into the row);
 * ``raw cut``: the same, cut into pipelines of ``pipeline_bytes``, at most
   ``pipelines_per_node`` in flight (per call: on the cluster that is fewer than the backend's,
-  which are per node), the arrangement the backend uses (see its module docstring for why);
+  which are per node), the arrangement the backend uses (see tiering/backends/redis/pipelines.py
+  for why);
 * ``raw cut pair``: ``raw cut`` with the backend's command shape (``MSET`` of a header string
   and the payload string; the two bounded ``GETRANGE``), without its header, checksums and
   checks.

@@ -3,8 +3,8 @@
 A standalone server is one node. A Redis Cluster is read from a seed node's ``CLUSTER SLOTS``:
 a table of the 16384 hash slots to their masters, with one ``redis.asyncio.Redis`` client (and
 connection pool) per master. The backend groups a call's keys by node and sends each node one
-pipeline (or a few, see ``RedisBackend``), so a call costs one round trip per node, and a node
-that is down fails only its own keys.
+pipeline (or a few, see :mod:`~tiering.backends.redis.pipelines`), so a call costs one round
+trip per node, and a node that is down fails only its own keys.
 
 Why not ``redis.asyncio.RedisCluster``: its pipeline fails a whole call when one node is
 unreachable, and recovers by closing the client (every connection to every node) and sleeping

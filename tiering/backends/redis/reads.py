@@ -1,7 +1,7 @@
 """How the Redis backend reads blocks: never more than a block, whatever is stored.
 
 A block is two strings (``...:h``, the header and the payload's tail; ``...:p``, the rest of the
-payload; see :mod:`tiering.backends.redis`). A get reads each with
+payload; see :mod:`tiering.backends.redis.value_format`). A get reads each with
 
     GETRANGE <h> 0 <header bytes>        GETRANGE <p> 0 <payload bytes>
 
@@ -16,9 +16,9 @@ What ``MGET`` gave and two reads do not: both strings as of one instant. Wrappin
 in ``MULTI``/``EXEC`` would keep that, but a server under ``maxmemory-policy noeviction`` that is
 full refuses every command queued in a transaction (``OOM``), reads included: a full cache would
 serve nothing. So the reads are plain, and the backend reads a block again before it calls it
-corrupt or unlinks half of it (``RedisBackend.get``): a block rewritten, evicted or expired
-between its two reads looks torn once (a checksum that fails, or one string gone), and whole on
-the second read. Nothing torn is ever served: the header's checksum covers the payload.
+corrupt or unlinks half of it (:mod:`~tiering.backends.redis.gets`): a block rewritten, evicted
+or expired between its two reads looks torn once (a checksum that fails, or one string gone),
+and whole on the second read. Nothing torn is ever served: the header's checksum covers the payload.
 
 A string that is absent reads as ``b""`` (and one of another type as a ``WRONGTYPE`` error):
 both are reported as absent (None), as ``MGET`` reported them. The cost, measured by
