@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tiering import cli
-from tiering.cli import doctor, loading
 from tiering.backends.file import HEADER_AREA_BYTES, SLOTS_NAME, slot_bytes_for
+from tiering.cli import doctor, loading
 from tiering.config import build_manager, build_pool, config_json_schema, load_config
 from tiering.core.keys import OffloadKey, make_offload_key
 
