@@ -14,6 +14,7 @@ import torch
 
 from tiering import cli
 from tiering.backends.file import HEADER_AREA_BYTES, SLOTS_NAME, slot_bytes_for
+from tiering.cli import doctor, loading
 from tiering.config import build_manager, build_pool, config_json_schema, load_config
 from tiering.core.keys import OffloadKey, make_offload_key
 
@@ -197,7 +198,7 @@ def test_unexpected_errors_are_one_line_unless_debug(
     def broken(path: object) -> None:
         raise RuntimeError("something no one planned for")
 
-    monkeypatch.setattr(cli, "load_config", broken)
+    monkeypatch.setattr(loading, "load_config", broken)
     config = str(write_config(tmp_path, GOOD_CONFIG))
     status, _out, err = run(["config", "check", config], capsys)
     assert status == 3
@@ -522,7 +523,7 @@ def test_doctor_without_config_probes_the_temp_dir(capsys: pytest.CaptureFixture
 
 
 def test_o_direct_probe_round_trips_or_says_why(tmp_path: Path) -> None:
-    works, why = cli.probe_o_direct(tmp_path)
+    works, why = doctor.probe_o_direct(tmp_path)
     assert why
     assert list(tmp_path.iterdir()) == []  # the probe file is removed either way
     if works:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiering.cli import run_doctor
+from tiering.cli.doctor import run_doctor
 from tiering.config import parse_config
 from tiering.errors import BackendError, ConfigurationError
 from tiering.testing.copy_strategy_tests import HybridModel, transfer
