@@ -7,15 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tiering.errors import ProtocolError
-from tiering.managers.protocol import (
-    OffloadingEvent,
-)
-from tiering.testing.manager_suite.base import (
-    HIT_PENDING,
-    ManagerFactory,
-    ManagerTestsBase,
-    k,
-)
+from tiering.managers.protocol import OffloadingEvent
+from tiering.testing.manager_suite.base import HIT_PENDING, ManagerFactory, ManagerTestsBase, k
 
 __all__ = ["ManagerEvictionEventTests"]
 

@@ -8,17 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tiering.errors import TieringError
-from tiering.managers.protocol import (
-    OffloadingManager,
-)
-from tiering.testing.manager_suite.base import (
-    HIT,
-    MISS,
-    RETRY,
-    ManagerFactory,
-    ManagerTestsBase,
-    k,
-)
+from tiering.managers.protocol import OffloadingManager
+from tiering.testing.manager_suite.base import HIT, MISS, RETRY, ManagerFactory, ManagerTestsBase, k
 
 __all__ = ["ManagerLowerTierTests"]
 

@@ -9,9 +9,7 @@ import pytest
 from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
 from tiering.core.keys import OffloadKey
 from tiering.errors import InvalidArgumentError, InvalidKeyError
-from tiering.managers.protocol import (
-    OffloadingManager,
-)
+from tiering.managers.protocol import OffloadingManager
 from tiering.testing.manager_suite.base import (
     HIT_PENDING,
     RETRY,

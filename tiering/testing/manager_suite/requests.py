@@ -7,13 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tiering.errors import InvalidArgumentError
-from tiering.testing.manager_suite.base import (
-    HIT,
-    HIT_PENDING,
-    ManagerFactory,
-    ManagerTestsBase,
-    k,
-)
+from tiering.testing.manager_suite.base import HIT, HIT_PENDING, ManagerFactory, ManagerTestsBase, k
 
 __all__ = ["ManagerRequestTests"]
 

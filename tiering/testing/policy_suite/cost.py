@@ -8,11 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from tiering.testing.policy_suite.base import (
-    PolicyFactory,
-    PolicyTestsBase,
-    policy_key,
-)
+from tiering.testing.policy_suite.base import PolicyFactory, PolicyTestsBase, policy_key
 
 __all__ = ["PolicyCostTests", "python_steps"]
 
