@@ -62,6 +62,11 @@ The layout fingerprint of every stored block (:mod:`tiering.integrations.vllm_la
 the model and its checkpoint (revision, quantization, model dtype, weight files), dtype, KV-cache
 groups, tokens per hash, blocks per chunk, worker bytes per block and
 the parallel layout with this rank: a restart with any of them changed serves nothing stale.
+
+Beside it: :mod:`~tiering.integrations.vllm_translate` (vLLM's answers, keys and events as
+tiering's and back), :mod:`~tiering.integrations.vllm_metrics` (the metrics and config info),
+:mod:`~tiering.integrations.vllm_requests` (a request's accesses and their recency) and
+:mod:`~tiering.integrations.vllm_extra` (the ``kv_connector_extra_config`` values, checked).
 """
 
 from __future__ import annotations
@@ -71,17 +76,14 @@ import gc
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, cast
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
-    Medium,
     OffloadingCounterMetadata,
     OffloadingEvent,
     OffloadingManager,
@@ -95,7 +97,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL, TieringOffloadingMetrics
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -103,58 +104,35 @@ from tiering import CPUOffloadingManager, TieringOffloadingManager
 from tiering.config import TieringConfig, build_tier, load_config
 from tiering.core.keys import OffloadKey as Key
 from tiering.errors import ConfigError
-from tiering.integrations.vllm_extra import check_spec_extra, spec_int
+from tiering.integrations.vllm_extra import (
+    VLLM_POLICIES,
+    check_spec_extra,
+    primary_policy,
+    primary_store_threshold,
+)
 from tiering.integrations.vllm_identity import model_identity_of
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
+from tiering.integrations.vllm_metrics import INFO_KEYS, PRIMARY_LABEL, DropInMetrics
 from tiering.integrations.vllm_requests import RequestAccesses
-from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
-from tiering.managers.protocol import LookupResult as TieringLookupResult
-from tiering.managers.protocol import OffloadingEvent as TieringEvent
-
-__all__ = ["INFO_KEYS", "PRIMARY_LABEL", "TieringManager", "TieringSpec"]
-
-#: The ``tier`` label of the CPU tier in metrics and config info (vLLM's own manager's too).
-PRIMARY_LABEL: Final = "0:primary"
-#: Label names the drop-in adds to ``vllm:kv_offload_config_info``.
-INFO_KEYS: Final = (
-    "tiering_name",
-    "tiering_backend",
-    "tiering_capacity_bytes",
-    "tiering_persistent",
-    "tiering_fingerprint",
-    "tiering_policy",
-    "tiering_store_threshold",
+from tiering.integrations.vllm_tiers import TieringSecondaryTier
+from tiering.integrations.vllm_translate import (
+    ANSWERS,
+    HIT,
+    HIT_PENDING,
+    MISS,
+    RETRY,
+    T_HIT,
+    T_HIT_PENDING,
+    T_RETRY,
+    in_prefix_order,
+    reset_events,
+    tiering_keys,
+    vllm_event,
+    vllm_keys,
 )
+from tiering.managers.protocol import LookupResult as TieringLookupResult
 
-_T_HIT: Final = TieringLookupResult.HIT
-_T_RETRY: Final = TieringLookupResult.RETRY
-_T_HIT_PENDING: Final = TieringLookupResult.HIT_PENDING
-_ANSWERS: Final = {
-    TieringLookupResult.HIT: LookupResult.HIT,
-    TieringLookupResult.MISS: LookupResult.MISS,
-    TieringLookupResult.HIT_PENDING: LookupResult.HIT_PENDING,
-    TieringLookupResult.RETRY: LookupResult.HIT_PENDING,
-}
-_HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
-_RETRY: Final = LookupResult.RETRY
-
-# tiering's per-tier counters (deltas of TieringOffloadingManager.get_stats) -> vLLM metric names.
-_TIER_COUNTERS: Final = {
-    "lookup_hits": TieringOffloadingMetrics.CHUNK_HITS,
-    "bytes_read": TieringOffloadingMetrics.READ_BYTES,
-    "bytes_written": TieringOffloadingMetrics.WRITE_BYTES,
-    "stored_blocks": TieringTierMetrics.STORED_BLOCKS,
-    "store_failures": TieringTierMetrics.STORE_FAILED_BLOCKS,
-    "stores_shed": TieringTierMetrics.SHED_BLOCKS,
-    "promoted_blocks": TieringTierMetrics.READ_BLOCKS,
-    "promotion_failures": TieringTierMetrics.READ_FAILED_BLOCKS,
-    "corrupt_blocks": TieringTierMetrics.CORRUPT_BLOCKS,
-    "evictions": TieringTierMetrics.EVICTED_BLOCKS,
-}
-_CPU_COUNTERS: Final = {
-    "stored_blocks": TieringTierMetrics.STORED_BLOCKS,
-    "evicted_blocks": TieringTierMetrics.EVICTED_BLOCKS,
-}
+__all__ = ["INFO_KEYS", "PRIMARY_LABEL", "VLLM_POLICIES", "TieringManager", "TieringSpec"]
 
 
 class TieringSpec(TieringOffloadingSpec):
@@ -259,7 +237,7 @@ class TieringManager(OffloadingManager):
         extra = spec.extra_config
         self._lock = threading.Lock()
         self.region = region
-        self._cpu_info = spec.cpu_info.as_config_info()
+        cpu_info = spec.cpu_info.as_config_info()
         chunk_bytes = chunk_data_bytes(spec)
         stride = spec.kv_bytes_per_chunk
         if not 0 < chunk_bytes <= stride:
@@ -269,13 +247,12 @@ class TieringManager(OffloadingManager):
             )
         self.fingerprint = layout_fingerprint(spec)
         self.model_identity = model_identity_of(spec)  # what the fingerprint says of the model
-        self.policy = _policy_name(extra, config)
-        self.store_threshold = _store_threshold(extra, config)
+        self.policy = primary_policy(extra, config)
+        self.store_threshold = primary_store_threshold(extra, config)
         tiers = [
             build_tier(tier, block_bytes=chunk_bytes, fingerprint=self.fingerprint)
             for tier in config.secondary_tiers
         ]
-        self._tier_settings = {t.name: t for t in config.secondary_tiers}
         # Row i of the region is slot i of the CPU tier; a tier stores the row's KV bytes (every
         # worker's slot), not its page padding.
         rows = region.base_tensor.view(torch.uint8).view(spec.num_chunks, stride)[:, :chunk_bytes]
@@ -306,7 +283,16 @@ class TieringManager(OffloadingManager):
         self._lookup = cast(
             "Callable[[bytes, ReqContext], TieringLookupResult]", self.manager.lookup_result
         )
-        self._labels = {tier.name: f"{i}:{tier.name}" for i, tier in enumerate(tiers, 1)}
+        self._metrics = DropInMetrics(
+            self.manager,
+            primary,
+            tiers,
+            {t.name: t for t in config.secondary_tiers},
+            cpu_info,
+            fingerprint=self.fingerprint,
+            policy=self.policy,
+            store_threshold=self.store_threshold,
+        )
         self._requests: dict[str, RequestAccesses] = {}
         self._step_hits: dict[str, list[OffloadKey]] = {}  # HITs not protected yet, by request
         self._pending_events: list[OffloadingEvent] = []
@@ -330,28 +316,28 @@ class TieringManager(OffloadingManager):
         self._cpu_queries += 1
         answer = self._cpu_lookup(key)
         req_id = req_context.req_id
-        if answer is _T_HIT:
+        if answer is T_HIT:
             self._cpu_hits += 1
             hits = self._step_hits.get(req_id)
             if hits is None:
                 self._step_hits[req_id] = [key]
             else:
                 hits.append(key)
-            return _HIT
+            return HIT
         if self._promotions_held:
-            return _HIT_PENDING if answer is _T_HIT_PENDING else _MISS
+            return HIT_PENDING if answer is T_HIT_PENDING else MISS
         hits = self._step_hits.pop(req_id, None)
         if hits:
-            self.manager.protect_for_step(_keys(hits), req_context=req_context)
+            self.manager.protect_for_step(tiering_keys(hits), req_context=req_context)
         result = self._lookup(key, req_context)
-        if result is _T_RETRY:
+        if result is T_RETRY:
             if self.manager.location_unknown(cast("Key", key)):  # a shared tier is asking
-                return _RETRY
+                return RETRY
             state = self._request(req_context)
             state.promoted.add(key)
             state.inserted.add(key)
             state.accessed[key] = None
-        return _ANSWERS[result]
+        return ANSWERS[result]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         state = self._requests.get(req_context.req_id)
@@ -364,15 +350,17 @@ class TieringManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         if not self._polled:
             self._poll()
-        spec = self.manager.prepare_load(_keys(keys), req_context=req_context)
+        spec = self.manager.prepare_load(tiering_keys(keys), req_context=req_context)
         self._record(req_context, keys, reused=keys)
         return CPULoadStoreSpec(spec.block_ids.tolist())
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.complete_load(_keys(_in_order(keys, req_context)), req_context=req_context)
+        self.manager.complete_load(
+            tiering_keys(in_prefix_order(keys, req_context)), req_context=req_context
+        )
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.touch(_keys(keys), req_context=req_context)
+        self.manager.touch(tiering_keys(keys), req_context=req_context)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -382,11 +370,11 @@ class TieringManager(OffloadingManager):
         key_list = list(keys)
         resident = self._cpu_resident
         reused = [k for k in key_list if resident(k) is True]
-        out = self.manager.prepare_store(_keys(key_list), req_context=req_context)
+        out = self.manager.prepare_store(tiering_keys(key_list), req_context=req_context)
         if out is None:
             self._record(req_context, reused, reused=reused)
             return None
-        stored = _vllm_keys(out.keys_to_store)
+        stored = vllm_keys(out.keys_to_store)
         if stored or reused:
             accessed = {*stored, *reused}
             self._record(
@@ -395,14 +383,16 @@ class TieringManager(OffloadingManager):
         return PrepareStoreOutput(
             keys_to_store=stored,
             store_spec=CPULoadStoreSpec(out.store_spec.block_ids.tolist()),
-            evicted_keys=_vllm_keys(out.evicted_keys),
+            evicted_keys=vllm_keys(out.evicted_keys),
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         self.manager.complete_store(
-            _keys(_in_order(keys, req_context)), success=success, req_context=req_context
+            tiering_keys(in_prefix_order(keys, req_context)),
+            success=success,
+            req_context=req_context,
         )
 
     # -- requests and steps -------------------------------------------------------------------
@@ -438,75 +428,17 @@ class TieringManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._pending_events = self._pending_events, []
-        events.extend(_vllm_event(e) for e in self.manager.take_events())
+        events.extend(vllm_event(e) for e in self.manager.take_events())
         return events
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = OffloadingConnectorStats()
-        primary = (PRIMARY_LABEL,)
         queries, hits = self._cpu_queries, self._cpu_hits
         self._cpu_queries = self._cpu_hits = 0
-        _count(stats, TieringOffloadingMetrics.CHUNK_QUERIES, queries, primary)
-        _count(stats, TieringOffloadingMetrics.CHUNK_HITS, hits, primary)
-        deltas = self.manager.get_stats()
-        cpu = deltas.get(self._primary.medium, {})
-        for name, metric in _CPU_COUNTERS.items():
-            _count(stats, metric, cpu.get(name, 0), primary)
-        row_bytes = self.manager.row_bytes
-        _count(
-            stats,
-            TieringOffloadingMetrics.WRITE_BYTES,
-            cpu.get("stored_blocks", 0) * row_bytes,
-            primary,
-        )
-        cpu_tier = self._primary
-        stats.set_gauge(TieringTierMetrics.USAGE_BYTES, len(cpu_tier) * row_bytes, primary)
-        stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, cpu_tier.num_blocks * row_bytes, primary)
-        _count(stats, CPUOffloadingMetrics.STORES_SKIPPED, cpu.get("stores_skipped", 0), ())
-        _count(
-            stats,
-            TieringOffloadingMetrics.PROMOTION_ALLOCATION_FAILURES,
-            cpu.get("promotions_without_space", 0),
-            (),
-        )
-        for tier in self.manager.tiers:
-            label = (self._labels[tier.name],)
-            counters = deltas.get(tier.name, {})
-            for name, metric in _TIER_COUNTERS.items():
-                _count(stats, metric, counters.get(name, 0), label)
-            stats.set_gauge(TieringTierMetrics.USAGE_BYTES, tier.backend.usage_bytes, label)
-            stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, tier.backend.capacity_bytes, label)
-        return None if stats.is_empty() else stats
+        return self._metrics.stats(queries, hits)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         """One series per tier, the CPU tier first, each with vLLM's ``tier`` label."""
-        primary: dict[str, str | int | float | bool] = dict(self._cpu_info)
-        primary.update(
-            {
-                TIER_LABEL: PRIMARY_LABEL,
-                "tiering_name": self._primary.medium,
-                "tiering_backend": "cpu",
-                "tiering_capacity_bytes": self._primary.num_blocks * self.manager.row_bytes,
-                "tiering_persistent": False,
-                "tiering_fingerprint": self.fingerprint.hex(),
-                "tiering_policy": self.policy,
-                "tiering_store_threshold": self.store_threshold,
-            }
-        )
-        infos: list[ConfigInfoMapping] = [primary]
-        for tier in self.manager.tiers:
-            infos.append(
-                {
-                    TIER_LABEL: self._labels[tier.name],
-                    "tiering_name": tier.name,
-                    "tiering_backend": self._tier_settings[tier.name].type,
-                    "tiering_capacity_bytes": tier.backend.capacity_bytes,
-                    "tiering_persistent": tier.backend.capabilities.persistent,
-                    "tiering_fingerprint": self.fingerprint.hex(),
-                    "tiering_policy": str(tier.config_info()["policy"]),
-                }
-            )
-        return infos
+        return self._metrics.config_info()
 
     # -- reset and lifecycle -------------------------------------------------------------------
 
@@ -522,7 +454,7 @@ class TieringManager(OffloadingManager):
         unannounced = {bytes(k) for k in primary.slots if primary.lookup(k) is None}
         manager.reset_cache()
         for event in manager.take_events():
-            self._pending_events.extend(_reset_events(event, unannounced))
+            self._pending_events.extend(reset_events(event, unannounced))
         self._promotions_held = bool(manager.tiers)
         self._step_hits.clear()
         for state in self._requests.values():
@@ -575,82 +507,3 @@ class TieringManager(OffloadingManager):
             ranked = state.ranked(req_context)
             if ranked is not None:
                 self._primary.refresh(ranked)
-
-
-#: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
-VLLM_POLICIES: Final = {"lru": "lru", "arc": "arc_vllm"}
-
-
-def _policy_name(extra: Any, config: TieringConfig) -> str:
-    """vLLM's ``eviction_policy`` if given (``arc`` is vLLM's ARC variant, ``arc_vllm``;
-    another name is a tiering policy), else the YAML's ``primary.policy`` as named (there
-    ``arc`` is the paper's)."""
-    name = extra.get("eviction_policy")
-    if not name:
-        return str(config.primary.policy)
-    name = str(name)
-    return VLLM_POLICIES.get(name.lower(), name)
-
-
-def _store_threshold(extra: Any, config: TieringConfig) -> int:
-    """vLLM's ``store_threshold`` if given (values below 2 store every offer), else the
-    YAML's ``primary.store_threshold``. The value was checked by ``check_spec_extra``."""
-    value = extra.get("store_threshold")
-    if value is None:
-        return config.primary.store_threshold
-    return max(spec_int(extra, "store_threshold"), 1)
-
-
-def _keys(keys: Iterable[OffloadKey]) -> list[Key]:
-    """vLLM's keys as tiering's (the same bytes)."""
-    return cast("list[Key]", keys if isinstance(keys, list) else list(keys))
-
-
-def _vllm_keys(keys: Iterable[Key]) -> list[OffloadKey]:
-    return cast("list[OffloadKey]", list(keys))
-
-
-def _in_order(keys: Collection[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
-    """``keys`` as a list; a set (vLLM completes jobs with one) in prefix order, then by key,
-    so what follows from it (tier writes, events) is the same on every run."""
-    if isinstance(keys, list):
-        return keys
-    position = req_context.get_offload_key_position
-    return sorted(keys, key=lambda k: (position(k) or 0, k))
-
-
-def _vllm_event(event: TieringEvent) -> OffloadingEvent:
-    if event.owner is None:
-        return OffloadingEvent(
-            keys=_vllm_keys(event.keys), medium=Medium.CPU, removed=event.removed
-        )
-    # A tier announces its removals too: consumers keep a stored block's metadata until then.
-    return OffloadingEvent(
-        keys=_vllm_keys(event.keys),
-        medium=Medium.STORAGE,
-        removed=event.removed,
-        ownership=event.owner,
-        removal_expected=not event.removed,
-    )
-
-
-def _reset_events(event: TieringEvent, unannounced: set[bytes]) -> list[OffloadingEvent]:
-    """A reset's events; the CPU tier's removal of keys never announced is metadata only."""
-    translated = _vllm_event(event)
-    if event.owner is not None or not event.removed or not unannounced:
-        return [translated]
-    announced = _vllm_keys(k for k in event.keys if k not in unannounced)
-    silent = _vllm_keys(k for k in event.keys if k in unannounced)
-    out = []
-    if announced:
-        out.append(OffloadingEvent(keys=announced, medium=Medium.CPU, removed=True))
-    if silent:
-        out.append(
-            OffloadingEvent(keys=silent, medium=Medium.CPU, removed=True, metadata_only=True)
-        )
-    return out
-
-
-def _count(stats: OffloadingConnectorStats, name: str, value: int, labels: tuple[str, ...]) -> None:
-    if value:
-        stats.increase_counter(name, value, labels)

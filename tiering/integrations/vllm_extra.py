@@ -12,6 +12,9 @@ string) passes unchanged, so what reaches vLLM's code is what it would have pars
 
 A key given as ``null`` is refused unless the table says what null means: vLLM reads its keys
 with ``extra.get(key, default)``, for which an explicit null is not the default.
+
+:func:`primary_policy` and :func:`primary_store_threshold` say what the drop-in's CPU tier takes:
+vLLM's key when given (vLLM's names for vLLM's policies), else the YAML's ``primary`` section.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
+from tiering.config import TieringConfig
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.policies.registry import check_policy_name
 
-__all__ = ["SPEC_KEYS", "TIER_ENTRY_KEYS", "check_spec_extra", "check_tier_entry", "spec_int"]
+__all__ = [
+    "SPEC_KEYS",
+    "TIER_ENTRY_KEYS",
+    "VLLM_POLICIES",
+    "check_spec_extra",
+    "check_tier_entry",
+    "primary_policy",
+    "primary_store_threshold",
+    "spec_int",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -205,3 +218,27 @@ def spec_int(extra: Mapping[str, Any], name: str) -> int:
         _check("TieringSpec: kv_connector_extra_config", {name: SPEC_KEYS[name]}, extra)
         raise ConfigError(f"TieringSpec: kv_connector_extra_config: {name!r} is not given")
     return number
+
+
+#: vLLM's ``eviction_policy`` names -> tiering's policies that behave as vLLM's do.
+VLLM_POLICIES: Final = {"lru": "lru", "arc": "arc_vllm"}
+
+
+def primary_policy(extra: Any, config: TieringConfig) -> str:
+    """vLLM's ``eviction_policy`` if given (``arc`` is vLLM's ARC variant, ``arc_vllm``;
+    another name is a tiering policy), else the YAML's ``primary.policy`` as named (there
+    ``arc`` is the paper's)."""
+    name = extra.get("eviction_policy")
+    if not name:
+        return str(config.primary.policy)
+    name = str(name)
+    return VLLM_POLICIES.get(name.lower(), name)
+
+
+def primary_store_threshold(extra: Any, config: TieringConfig) -> int:
+    """vLLM's ``store_threshold`` if given (values below 2 store every offer), else the
+    YAML's ``primary.store_threshold``. The value was checked by ``check_spec_extra``."""
+    value = extra.get("store_threshold")
+    if value is None:
+        return config.primary.store_threshold
+    return max(spec_int(extra, "store_threshold"), 1)
