@@ -41,6 +41,7 @@ from tiering.config import (
 )
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError, TieringError
+from tiering.model.kv_tensors import allocate_kv_caches
 from tiering.observability.service import Observability
 from tiering.policies import get_policy_class
 from tiering.replay.block_trace import (
@@ -168,7 +169,7 @@ def run_replay(
         requests = requests[: options.max_requests]
 
     device = _kv_device(options.device)
-    kv_tensors, caches = shape.allocate(options.engine_blocks, spec, device)
+    kv_tensors, caches = allocate_kv_caches(shape, options.engine_blocks, spec, device)
     # The bytes come from the tensors really allocated; they must agree with what the tiers
     # were configured (and fingerprinted) for.
     world_size = config.model.world_size
