@@ -96,43 +96,51 @@ def _wrap_tier(tier: TierConfig, backend: StorageBackend, where: str) -> Seconda
     the store evicts; write_back); the existence-cache keys only for such a tier."""
     try:
         if backend.capabilities.shared:
-            if tier.policy != "lru":
-                raise ConfigurationError(
-                    f"policy {tier.policy!r}: a shared tier keeps no eviction order (the store "
-                    "evicts, e.g. Redis's maxmemory-policy); remove policy"
-                )
-            cache: dict[str, Any] = {}
-            if tier.existence_cache_seconds is not None:
-                cache["existence_cache_seconds"] = tier.existence_cache_seconds
-            if tier.existence_cache_max_keys is not None:
-                cache["existence_cache_max_keys"] = tier.existence_cache_max_keys
-            return SharedTier(
-                backend,
-                name=tier.name,
-                write_policy=tier.write_policy,
-                selective_min_lookups=tier.selective_min_lookups,
-                max_inflight_jobs=tier.max_inflight_jobs,
-                quarantine_seconds=tier.quarantine_seconds,
-                io_timeout_s=tier.io_timeout_s,
-                **cache,
-            )
-        if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
-            raise ConfigurationError(
-                "existence_cache_seconds and existence_cache_max_keys apply to shared tiers "
-                f"only, and the {tier.type!r} backend is not shared here"
-            )
-        return SecondaryTier(
-            backend,
-            name=tier.name,
-            policy=tier.policy,
-            write_policy=tier.write_policy,
-            selective_min_lookups=tier.selective_min_lookups,
-            max_inflight_jobs=tier.max_inflight_jobs,
-            quarantine_seconds=tier.quarantine_seconds,
-            io_timeout_s=tier.io_timeout_s,
-        )
+            return _shared_tier(tier, backend)
+        return _private_tier(tier, backend)
     except ConfigurationError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _shared_tier(tier: TierConfig, backend: StorageBackend) -> SharedTier:
+    if tier.policy != "lru":
+        raise ConfigurationError(
+            f"policy {tier.policy!r}: a shared tier keeps no eviction order (the store "
+            "evicts, e.g. Redis's maxmemory-policy); remove policy"
+        )
+    cache: dict[str, Any] = {}
+    if tier.existence_cache_seconds is not None:
+        cache["existence_cache_seconds"] = tier.existence_cache_seconds
+    if tier.existence_cache_max_keys is not None:
+        cache["existence_cache_max_keys"] = tier.existence_cache_max_keys
+    return SharedTier(
+        backend,
+        name=tier.name,
+        write_policy=tier.write_policy,
+        selective_min_lookups=tier.selective_min_lookups,
+        max_inflight_jobs=tier.max_inflight_jobs,
+        quarantine_seconds=tier.quarantine_seconds,
+        io_timeout_s=tier.io_timeout_s,
+        **cache,
+    )
+
+
+def _private_tier(tier: TierConfig, backend: StorageBackend) -> SecondaryTier:
+    if tier.existence_cache_seconds is not None or tier.existence_cache_max_keys is not None:
+        raise ConfigurationError(
+            "existence_cache_seconds and existence_cache_max_keys apply to shared tiers "
+            f"only, and the {tier.type!r} backend is not shared here"
+        )
+    return SecondaryTier(
+        backend,
+        name=tier.name,
+        policy=tier.policy,
+        write_policy=tier.write_policy,
+        selective_min_lookups=tier.selective_min_lookups,
+        max_inflight_jobs=tier.max_inflight_jobs,
+        quarantine_seconds=tier.quarantine_seconds,
+        io_timeout_s=tier.io_timeout_s,
+    )
 
 
 def _make_directory(tier: TierConfig) -> None:

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tiering.backends.base import StorageBackend
 from tiering.backends.ownership import (
     LayoutMismatchError,
+    TierDirectory,
     TierDirectoryError,
     check_backend,
     examine_directory,
@@ -69,12 +71,7 @@ def _directory_findings(
     assert tier.path is not None
     cls = get_backend(tier.type).cls  # a built-in or registered class: no plugin import
     try:
-        found = examine_directory(
-            tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
-        )
-        if found.state == "foreign":
-            raise foreign_directory_error(found, what="the tier directory")
-        check_backend(found, cls.name)
+        found = examine_tier_directory(tier.path, cls)
     except TierDirectoryError as exc:
         return [("error", str(exc))]
     if found.state == "damaged_marker":
@@ -85,6 +82,15 @@ def _directory_findings(
                 "will check its own records when it opens, and rewrite the marker",
             )
         ]
+    return _layout_findings(tier, found, layout)
+
+
+def _layout_findings(
+    tier: TierConfig, found: TierDirectory, layout: BlockLayout | None
+) -> list[tuple[Literal["error", "warning", "note"], str]]:
+    """A directory holding blocks of another layout than ``layout``: what the tier's
+    ``on_layout_mismatch`` will do about it (an error if it refuses)."""
+    assert tier.path is not None
     if (
         found.marker is None
         or not found.holds_data
@@ -110,3 +116,16 @@ def _directory_findings(
             f"{action}",
         )
     ]
+
+
+def examine_tier_directory(path: Path, cls: type[StorageBackend]) -> TierDirectory:
+    """What ``path`` holds for a tier of backend ``cls``; reads only. Raises
+    :class:`TierDirectoryError` if the directory is not tiering's or holds another backend's
+    tier."""
+    found = examine_directory(
+        path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
+    )
+    if found.state == "foreign":
+        raise foreign_directory_error(found, what="the tier directory")
+    check_backend(found, cls.name)
+    return found

@@ -84,18 +84,7 @@ def _parse_root(data: _LineMap, ctx: _Context) -> TieringConfig:
         if key not in _ROOT_KEYS:
             raise ctx.error(key, unknown_key_message(key, _ROOT_KEYS), _key_line(data, key))
     version = _parse_version(data, ctx)
-    block_size_factor = data.get("block_size_factor", 1)
-    if (
-        isinstance(block_size_factor, bool)
-        or not isinstance(block_size_factor, int)
-        or (block_size_factor < 1)
-    ):
-        raise ctx.error(
-            "block_size_factor",
-            f"{block_size_factor!r} is not valid: give an integer >= 1 (GPU blocks per "
-            "offloaded block)",
-            _key_line(data, "block_size_factor"),
-        )
+    block_size_factor = _parse_block_size_factor(data, ctx)
     if "primary" not in data:
         raise ctx.error("primary", f"missing; give at least {_MINIMAL_EXAMPLE}", data.line)
     primary = _parse_section(ctx, data, "primary")
@@ -118,6 +107,22 @@ def _parse_root(data: _LineMap, ctx: _Context) -> TieringConfig:
         _check_model(ctx, data, config)
     _warn_about_small_tiers(ctx, config)
     return config
+
+
+def _parse_block_size_factor(data: _LineMap, ctx: _Context) -> int:
+    block_size_factor = data.get("block_size_factor", 1)
+    if (
+        isinstance(block_size_factor, bool)
+        or not isinstance(block_size_factor, int)
+        or (block_size_factor < 1)
+    ):
+        raise ctx.error(
+            "block_size_factor",
+            f"{block_size_factor!r} is not valid: give an integer >= 1 (GPU blocks per "
+            "offloaded block)",
+            _key_line(data, "block_size_factor"),
+        )
+    return block_size_factor
 
 
 def _check_model(ctx: _Context, data: _LineMap, config: TieringConfig) -> None:

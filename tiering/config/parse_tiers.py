@@ -16,6 +16,7 @@ from tiering.backends.registry import (
     BUILTIN_BACKENDS,
     GENERIC_TIER_KEYS,
     NAME_PATTERN,
+    BackendEntry,
     check_backend_type,
 )
 from tiering.backends.settings import settings_fields
@@ -47,25 +48,39 @@ def _parse_tiers(ctx: _Context, data: _LineMap) -> tuple[TierConfig, ...]:
         lines = getattr(items, "item_lines", [])
         line = lines[index] if index < len(lines) else _line_of(items)
         tier = _parse_tier(ctx, item, path, line)
-        other = names.setdefault(tier.env_name, index)
-        if other != index:
-            raise ctx.error(
-                f"{path}.name",
-                f"duplicate tier name {tier.name!r} (also secondary_tiers[{other}]); tier "
-                "names must be unique (ignoring case, '-' equals '_'); set 'name' on one",
-                _key_line(item, "name"),
-            )
-        if tier.path is not None:
-            other = paths.setdefault(tier.path, index)
-            if other != index:
-                raise ctx.error(
-                    f"{path}.path",
-                    f"{str(tier.path)!r} is also the path of secondary_tiers[{other}]; each "
-                    "tier needs a directory of its own",
-                    _key_line(item, "path"),
-                )
+        _check_unique(ctx, tier, item, index, names, paths)
         tiers.append(tier)
     return tuple(tiers)
+
+
+def _check_unique(
+    ctx: _Context,
+    tier: TierConfig,
+    item: object,
+    index: int,
+    names: dict[str, int],
+    paths: dict[Path, int],
+) -> None:
+    """Refuse a tier whose name or directory an earlier tier has (``names`` and ``paths``
+    record the first index of each)."""
+    path = f"secondary_tiers[{index}]"
+    other = names.setdefault(tier.env_name, index)
+    if other != index:
+        raise ctx.error(
+            f"{path}.name",
+            f"duplicate tier name {tier.name!r} (also secondary_tiers[{other}]); tier "
+            "names must be unique (ignoring case, '-' equals '_'); set 'name' on one",
+            _key_line(item, "name"),
+        )
+    if tier.path is not None:
+        other = paths.setdefault(tier.path, index)
+        if other != index:
+            raise ctx.error(
+                f"{path}.path",
+                f"{str(tier.path)!r} is also the path of secondary_tiers[{other}]; each "
+                "tier needs a directory of its own",
+                _key_line(item, "path"),
+            )
 
 
 def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> TierConfig:
@@ -73,36 +88,12 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         raise ctx.error(
             path, f"a tier must be a mapping (type, capacity, ...), got {item!r:.60}", line
         )
-    if "type" not in item:
-        raise ctx.error(
-            f"{path}.type",
-            f"missing; give a backend name ({', '.join(BUILTIN_BACKENDS)}, ...) or 'module:Class'",
-            line,
-        )
-    try:
-        entry = check_backend_type(item["type"])  # None: a plugin, imported when it is built
-    except ConfigurationError as exc:
-        raise ctx.error(f"{path}.type", str(exc), _key_line(item, "type")) from None
+    entry = _parse_tier_type(ctx, item, path, line)
     name = _parse_tier_name(ctx, item, path)
     generic = {k: v for k, v in item.items() if k in _TIER_KEYS}
     keys: _TierKeys = _parse_mapping(ctx, _with_lines(item, generic), path, _TierKeys, line)
     _check_policy(ctx, keys.policy, f"{path}.policy", item)
-    backend_keys = {k: v for k, v in item.items() if k not in GENERIC_TIER_KEYS}
-    settings: object
-    if entry is None:
-        lines = getattr(item, "key_lines", {})
-        settings = PluginSettings(
-            dict(backend_keys), ctx.base_dir, {k: lines[k] for k in backend_keys if k in lines}
-        )
-    else:
-        settings = _parse_mapping(
-            ctx,
-            _with_lines(item, backend_keys),
-            path,
-            entry.settings_class,
-            line,
-            other_keys=GENERIC_TIER_KEYS,
-        )
+    settings = _parse_backend_settings(ctx, item, path, line, entry)
     return TierConfig(
         name=name,
         type=item["type"],
@@ -117,6 +108,43 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         existence_cache_seconds=keys.existence_cache_seconds,
         existence_cache_max_keys=keys.existence_cache_max_keys,
         settings=settings,
+    )
+
+
+def _parse_tier_type(
+    ctx: _Context, item: Mapping[str, Any], path: str, line: int | None
+) -> BackendEntry | None:
+    """The tier's backend; None for a plugin (``module:Class``), imported when it is built."""
+    if "type" not in item:
+        raise ctx.error(
+            f"{path}.type",
+            f"missing; give a backend name ({', '.join(BUILTIN_BACKENDS)}, ...) or 'module:Class'",
+            line,
+        )
+    try:
+        return check_backend_type(item["type"])
+    except ConfigurationError as exc:
+        raise ctx.error(f"{path}.type", str(exc), _key_line(item, "type")) from None
+
+
+def _parse_backend_settings(
+    ctx: _Context, item: Mapping[str, Any], path: str, line: int | None, entry: BackendEntry | None
+) -> object:
+    """The tier's backend keys: checked into a built-in backend's settings class, or kept as
+    :class:`PluginSettings` for a plugin."""
+    backend_keys = {k: v for k, v in item.items() if k not in GENERIC_TIER_KEYS}
+    if entry is None:
+        lines = getattr(item, "key_lines", {})
+        return PluginSettings(
+            dict(backend_keys), ctx.base_dir, {k: lines[k] for k in backend_keys if k in lines}
+        )
+    return _parse_mapping(
+        ctx,
+        _with_lines(item, backend_keys),
+        path,
+        entry.settings_class,
+        line,
+        other_keys=GENERIC_TIER_KEYS,
     )
 
 

@@ -17,6 +17,7 @@ from tiering.config.schema import TieringConfig
 from tiering.errors import ConfigError
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.pool import CPUBlockPool
+from tiering.managers.secondary_tier import SecondaryTier
 from tiering.managers.tiering_manager import TieringOffloadingManager
 
 
@@ -58,42 +59,14 @@ def build_manager(
     config names are imported here (:func:`resolve_plugins`).
     """
     config = resolve_plugins(config)
-    description = None
-    if config.model is not None:
-        layout = layout_for_config(config)
-        if block_bytes in (None, layout.block_bytes) and fingerprint in (None, layout.fingerprint):
-            description = layout.description
-    if block_bytes is None:
-        block_bytes = config.block_bytes()
-    if fingerprint is None:
-        fingerprint = config.fingerprint()
-    num_blocks = config.num_cpu_blocks(block_bytes)
-    # Refuse before anything opens: a directory that is not tiering's, or holds another layout.
-    errors = [
-        f.message
-        for f in check_tier_directories(config, BlockLayout(block_bytes, fingerprint, description))
-        if f.severity == "error"
-    ]
-    if errors:
-        raise ConfigError("; and ".join(errors))
-    backends = [
-        _create_backend(
-            tier,
-            block_bytes=block_bytes,
-            fingerprint=fingerprint,
-            layout_description=description,
-            config=config,
-        )
-        for tier in config.secondary_tiers
-    ]
-    tiers = [
-        _wrap_tier(t, b, f"{config.source}: secondary_tiers[{i}] ({t.name!r})")
-        for i, (t, b) in enumerate(zip(config.secondary_tiers, backends, strict=True))
-    ]
+    layout = _layout_to_build(config, block_bytes, fingerprint)
+    num_blocks = config.num_cpu_blocks(layout.block_bytes)
+    _refuse_unusable_directories(config, layout)
+    tiers = _build_tiers(config, layout)
     for tier in config.secondary_tiers:
         _make_directory(tier)
     if pool is None:
-        pool = build_pool(config, block_bytes=block_bytes)
+        pool = build_pool(config, block_bytes=layout.block_bytes)
     primary = CPUOffloadingManager(
         num_blocks,
         config.primary.policy,
@@ -103,3 +76,46 @@ def build_manager(
     return TieringOffloadingManager(
         primary, tiers, pool=pool, enable_events=config.events.enabled, step_driven=step_driven
     )
+
+
+def _layout_to_build(
+    config: TieringConfig, block_bytes: int | None, fingerprint: bytes | None
+) -> BlockLayout:
+    """The layout the tiers are built for: ``block_bytes`` and ``fingerprint`` default to the
+    model's; the model's description goes with them only when both are the model's."""
+    description = None
+    if config.model is not None:
+        layout = layout_for_config(config)
+        if block_bytes in (None, layout.block_bytes) and fingerprint in (None, layout.fingerprint):
+            description = layout.description
+    if block_bytes is None:
+        block_bytes = config.block_bytes()
+    if fingerprint is None:
+        fingerprint = config.fingerprint()
+    return BlockLayout(block_bytes, fingerprint, description)
+
+
+def _refuse_unusable_directories(config: TieringConfig, layout: BlockLayout) -> None:
+    """Refuse before anything opens: a directory that is not tiering's, or holds another
+    layout."""
+    errors = [f.message for f in check_tier_directories(config, layout) if f.severity == "error"]
+    if errors:
+        raise ConfigError("; and ".join(errors))
+
+
+def _build_tiers(config: TieringConfig, layout: BlockLayout) -> list[SecondaryTier]:
+    """Every secondary tier, in order: all backends are constructed before any is wrapped."""
+    backends = [
+        _create_backend(
+            tier,
+            block_bytes=layout.block_bytes,
+            fingerprint=layout.fingerprint,
+            layout_description=layout.description,
+            config=config,
+        )
+        for tier in config.secondary_tiers
+    ]
+    return [
+        _wrap_tier(t, b, f"{config.source}: secondary_tiers[{i}] ({t.name!r})")
+        for i, (t, b) in enumerate(zip(config.secondary_tiers, backends, strict=True))
+    ]

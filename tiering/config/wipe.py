@@ -13,13 +13,11 @@ from tiering.backends.base import StorageBackend
 from tiering.backends.ownership import (
     Removal,
     TierDirectoryError,
-    check_backend,
-    examine_directory,
-    foreign_directory_error,
     remove_owned_files,
 )
 from tiering.backends.registry import get_backend
 from tiering.backends.tier_lock import hold_directory_locks
+from tiering.config.directories import examine_tier_directory
 from tiering.config.schema import TierConfig
 from tiering.errors import ConfigError, ConfigurationError
 
@@ -38,45 +36,40 @@ def wipe_tiers(tiers: Sequence[TierConfig]) -> list[Removal]:
     """:func:`wipe_tier` for each of ``tiers``, all or none: every tier's lock (the one its
     backend holds while open) is taken and every directory examined first, so a refusal leaves
     every tier as it was; the locks are held until the files are gone."""
-    plans: list[type[StorageBackend] | None] = []
-    for tier in tiers:
-        if tier.path is None:
-            plans.append(None)
-            continue
-        try:
-            plans.append(get_backend(tier.type).cls)
-        except ConfigurationError as exc:
-            raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+    plans = [_backend_class(tier) for tier in tiers]
     with contextlib.ExitStack() as locks:
         for tier, cls in zip(tiers, plans, strict=True):
             if cls is not None and tier.path is not None:
                 locks.enter_context(hold_directory_locks(tier.path, cls.lock_files, tier=tier.name))
         for tier, cls in zip(tiers, plans, strict=True):
-            if cls is None or tier.path is None:
-                continue
-            try:
-                found = examine_directory(
-                    tier.path, owned_files=cls.owned_files, recognizes=cls.recognizes_directory
-                )
-                if found.state == "foreign":
-                    raise foreign_directory_error(found, what="the tier directory")
-                check_backend(found, cls.name)
-            except TierDirectoryError as exc:
-                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
-        removals = []
-        for tier, backend_class in zip(tiers, plans, strict=True):
-            if backend_class is None or tier.path is None:
-                removals.append(Removal((), (), False))
-                continue
-            try:
-                removals.append(
-                    remove_owned_files(
-                        tier.path,
-                        backend=backend_class.name,
-                        owned_files=backend_class.owned_files,
-                        recognizes=backend_class.recognizes_directory,
-                    )
-                )
-            except TierDirectoryError as exc:  # changed since it was examined
-                raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
-    return removals
+            if cls is not None and tier.path is not None:
+                try:
+                    examine_tier_directory(tier.path, cls)
+                except TierDirectoryError as exc:
+                    raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+        return [_remove(tier, cls) for tier, cls in zip(tiers, plans, strict=True)]
+
+
+def _backend_class(tier: TierConfig) -> type[StorageBackend] | None:
+    """The class of the tier's backend, which names its files; None for a tier without a
+    directory."""
+    if tier.path is None:
+        return None
+    try:
+        return get_backend(tier.type).cls
+    except ConfigurationError as exc:
+        raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
+
+
+def _remove(tier: TierConfig, backend_class: type[StorageBackend] | None) -> Removal:
+    if backend_class is None or tier.path is None:
+        return Removal((), (), False)
+    try:
+        return remove_owned_files(
+            tier.path,
+            backend=backend_class.name,
+            owned_files=backend_class.owned_files,
+            recognizes=backend_class.recognizes_directory,
+        )
+    except TierDirectoryError as exc:  # changed since it was examined
+        raise ConfigError(f"tier {tier.name!r}: {exc}") from exc
