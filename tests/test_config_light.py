@@ -95,8 +95,7 @@ def test_the_config_check_path_imports_no_torch(tmp_path: Path) -> None:
 def test_a_config_json_model_is_read_without_torch(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
     (tmp_path / "tiering.yaml").write_text(
-        "version: 1\nmodel: {config_json: config.json, world_size: 2}\n"
-        "primary: {capacity: 64MiB}\n"
+        "version: 1\nmodel: {config_json: config.json, world_size: 2}\nprimary: {capacity: 64MiB}\n"
     )
     code = (
         "import sys; from tiering.config import load_config\n"
@@ -141,11 +140,15 @@ def test_the_dtype_sizes_are_torchs(dtype: str) -> None:
 
 
 def test_every_dtype_has_a_size_and_a_torch_dtype() -> None:
-    assert sorted(DTYPE_BYTES) == sorted(kv_tensors._TORCH_DTYPES) == [
-        "bfloat16",
-        "float16",
-        "float32",
-    ]
+    assert (
+        sorted(DTYPE_BYTES)
+        == sorted(kv_tensors._TORCH_DTYPES)
+        == [
+            "bfloat16",
+            "float16",
+            "float32",
+        ]
+    )
     assert {shape.dtype for shape in MODEL_SHAPES.values()} <= set(DTYPE_BYTES)
 
 
