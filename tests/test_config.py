@@ -51,6 +51,7 @@ from tiering.core.identity import layout_fingerprint
 from tiering.core.keys import make_offload_key
 from tiering.errors import ConfigError, ConfigurationError
 from tiering.managers.secondary_tier import SecondaryTier, WritePolicy
+from tiering.model.kv_tensors import allocate_kv_caches
 from tiering.model.shapes import get_model_shape
 from tiering.replay.traces import SCALES
 
@@ -790,7 +791,7 @@ def test_block_bytes_match_allocated_tensors(shape_name: str, factor: int) -> No
     if shape_name == "llama-3-8b":
         assert config.block_bytes_per_rank() == 2 * 1024 * 1024 * factor
     else:
-        _, caches = shape.allocate(4, config.kv_cache_spec())
+        _, caches = allocate_kv_caches(shape, 4, config.kv_cache_spec())
         assert config.block_bytes_per_rank() == caches.offloaded_block_bytes_per_rank()
         assert config.block_bytes() == caches.offloaded_block_bytes(world_size=2)
     layout = layout_for_config(config)

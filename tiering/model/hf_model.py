@@ -53,7 +53,7 @@ from tiering.model.hf_families import (
     Family,
     resolve_fields,
 )
-from tiering.model.shapes import GroupShape, ModelShape
+from tiering.model.shapes import DTYPE_BYTES, GroupShape, ModelShape
 
 __all__ = [
     "MAX_HF_CONFIG_BYTES",
@@ -125,7 +125,7 @@ def model_shape_from_hf_config(
     if not any(k in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW) for k in kinds):
         raise fields.error("layers", "no attention layer: attention-free models are not supported")
     dtype = _dtype(fields)
-    element_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    element_bytes = DTYPE_BYTES[dtype]
     num_kv_heads, head_dim, kv_parts = _attention(family, fields, world_size)
     token_bytes = kv_parts * num_kv_heads * head_dim * element_bytes
     if GroupKind.MAMBA in kinds:

@@ -10,21 +10,22 @@ group's tensors; a Mamba layer's state is padded to that page).
 A shape describes one rank. The built-in shapes (:data:`MODEL_SHAPES`) are named presets;
 :mod:`tiering.model.hf_model` builds the shape of a real model from its Hugging Face
 ``config.json``.
+
+A shape is pure geometry and imports no torch (checking a config needs its bytes per block,
+not tensors); :mod:`tiering.model.kv_tensors` allocates a shape's KV tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from tiering.core.groups import GroupKind, KVCacheGroup, KVCacheSpec
-from tiering.core.layout import CanonicalKVCaches, register_kv_caches
 from tiering.errors import ConfigurationError
 
-__all__ = ["MODEL_SHAPES", "GroupShape", "ModelShape", "get_model_shape"]
+__all__ = ["DTYPE_BYTES", "MODEL_SHAPES", "GroupShape", "ModelShape", "get_model_shape"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: Bytes of one element of each KV dtype a shape may name (torch's ``element_size()``).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,6 @@ class ModelShape:
     kv_parts: int = 2  # 2: K and V; 1: one latent vector per token (MLA)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
     def layers_per_position(self) -> int:
         """Layer positions: a hybrid model's groups have the same number of layers each."""
         return max(g.num_layers for g in self.groups)
@@ -58,7 +55,7 @@ class ModelShape:
     @property
     def page_bytes(self) -> int:
         """Bytes one layer spends on one block (K and V)."""
-        element_bytes = torch.empty(0, dtype=self.torch_dtype).element_size()
+        element_bytes = DTYPE_BYTES[self.dtype]
         return self.kv_parts * self.block_size * self.num_kv_heads * self.head_dim * element_bytes
 
     def group_names(self) -> list[str]:
@@ -84,36 +81,6 @@ class ModelShape:
             for g, name in zip(self.groups, self.group_names(), strict=True)
         )
         return KVCacheSpec(groups, hash_block_size, block_size_factor)
-
-    def allocate(
-        self, num_blocks: int, spec: KVCacheSpec, device: torch.device | str = "cpu"
-    ) -> tuple[dict[str, torch.Tensor], CanonicalKVCaches]:
-        """Allocate zeroed KV tensors for ``num_blocks`` engine blocks on ``device`` and register
-        them."""
-        positions = self.layers_per_position
-        tensors = [
-            torch.zeros(
-                (num_blocks, self.kv_parts, self.block_size, self.num_kv_heads, self.head_dim),
-                dtype=self.torch_dtype,
-                device=device,
-            )
-            for _ in range(positions)
-        ]
-        kv_caches: dict[str, torch.Tensor] = {}
-        shared: list[list[str]] = [[] for _ in range(positions)]
-        for g, group_name in zip(self.groups, self.group_names(), strict=True):
-            for i in range(g.num_layers):
-                name = f"{group_name}.{i}"
-                kv_caches[name] = tensors[i]
-                shared[i].append(name)
-        caches = register_kv_caches(
-            kv_caches,
-            spec,
-            num_blocks,
-            shared_by=[names for names in shared if len(names) > 1],
-            kv_layout="blocks_first",
-        )
-        return kv_caches, caches
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {

@@ -19,6 +19,7 @@ import torch
 from tiering.config import TieringConfig, build_manager, build_pool, layout_for_config
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError
+from tiering.model.kv_tensors import allocate_kv_caches
 from tiering.observability.service import Observability
 from tiering.replay.block_trace import (
     DEFAULT_BLOCK_TOKENS,
@@ -126,7 +127,7 @@ def run_replay(
         requests = requests[: options.max_requests]
 
     device = _kv_device(options.device)
-    kv_tensors, caches = shape.allocate(options.engine_blocks, spec, device)
+    kv_tensors, caches = allocate_kv_caches(shape, options.engine_blocks, spec, device)
     # The bytes come from the tensors really allocated; they must agree with what the tiers
     # were configured (and fingerprinted) for.
     world_size = config.model.world_size
