@@ -4,6 +4,11 @@ tests/test_lmdb_backend.py."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import types
+from typing import Any, cast
+
 import pytest
 
 from tiering.backends.lmdb.arguments import (
@@ -19,6 +24,7 @@ from tiering.backends.lmdb.geometry import (
     lmdb_geometry,
 )
 from tiering.backends.lmdb.record import RecordFormat
+from tiering.backends.lmdb.writer import Writer
 from tiering.core.block_format import HEADER_BYTES
 from tiering.errors import ConfigurationError
 
@@ -107,3 +113,32 @@ def test_byte_view_flattens_a_buffer_and_refuses_the_wrong_size_or_a_read_only_o
         byte_view(bytes(8), 8, "buffer", 2, writable=True)
     with pytest.raises(ValueError, match="buffer 0 must be a buffer"):
         byte_view(object(), 8, "buffer", 0, writable=True)
+
+
+def test_a_writer_thread_finishing_after_stop_does_not_take_the_next_threads_jobs() -> None:
+    """stop() queues STOP behind the item the thread runs; a start() before the thread reads
+    again gives the next thread a new queue. The old thread must still find its STOP (else two
+    threads would take one queue's jobs, and write transactions from two threads)."""
+    environment = cast(Any, types.SimpleNamespace(path="test"))
+    writer = Writer(environment, cast(Any, None))
+    writer.start()
+    old_thread = writer._thread
+    assert old_thread is not None
+    running, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        running.set()
+        release.wait()
+
+    held = writer.call(hold)
+    running.wait()
+    asyncio.run(writer.stop(None))  # STOP queued behind hold()
+    writer.start()
+    release.set()
+    held.future.result()
+    old_thread.join(60)  # a liveness bound, not a timing: the thread exits at once when right
+    assert not old_thread.is_alive()
+    assert (
+        writer.call(lambda: threading.current_thread().name).future.result() == "lmdb-writer:test"
+    )
+    asyncio.run(writer.stop(None))

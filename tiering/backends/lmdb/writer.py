@@ -45,9 +45,11 @@ class Writer:
     # -- the event loop's side -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._jobs = queue.SimpleQueue()
+        # Each thread gets its own queue: a thread still finishing after stop() (its STOP is
+        # queued behind the item it runs) must not take the next thread's jobs.
+        self._jobs = jobs = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=self._loop, name=f"lmdb-writer:{self._path}", daemon=True
+            target=self._loop, args=(jobs,), name=f"lmdb-writer:{self._path}", daemon=True
         )
         self._thread.start()
 
@@ -76,10 +78,10 @@ class Writer:
 
     # -- the writer thread -----------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: queue.SimpleQueue[Job | Call | object]) -> None:
         carry: object = None  # an item taken while coalescing, to run next
         while True:
-            item = carry if carry is not None else self._jobs.get()
+            item = carry if carry is not None else jobs.get()
             carry = None
             if item is STOP:
                 return
@@ -91,7 +93,7 @@ class Writer:
                         item.future.set_exception(exc)
                 continue
             assert isinstance(item, Job)
-            group, carry = self._coalesce(item)
+            group, carry = self._coalesce(item, jobs)
             self._run(group)
             if time.monotonic() - self._environment.last_reader_check > READER_CHECK_INTERVAL_S:
                 env = self._environment.env
@@ -99,7 +101,9 @@ class Writer:
                 with contextlib.suppress(lmdb.Error):
                     self._environment.check_readers(env)
 
-    def _coalesce(self, first: Job) -> tuple[list[Job], object]:
+    def _coalesce(
+        self, first: Job, jobs: queue.SimpleQueue[Job | Call | object]
+    ) -> tuple[list[Job], object]:
         """``first`` and the jobs already queued, up to about one transaction of values; and an
         item taken that is not a job (to run next), or None."""
         group = [first]
@@ -107,7 +111,7 @@ class Writer:
         txn_blocks = self._environment.geometry.txn_blocks
         while puts < txn_blocks:
             try:
-                nxt = self._jobs.get_nowait()
+                nxt = jobs.get_nowait()
             except queue.Empty:
                 break
             if not isinstance(nxt, Job):
