@@ -69,10 +69,13 @@ class Rig:
             self.rows[SCRATCH] = payload(key)
             job = self.tier.start_store([key], {key: SCRATCH}, lookup_counts={})
             assert job is not None
-            self.jobs.submit(job, self.tier.finish_store)
+            self.jobs.submit(job, self._store_done)
             self.settle()
         self.rows[SCRATCH] = 0
         assert [self.tier.state(key) for key in keys] == [TierKeyState.READY] * len(keys)
+
+    def _store_done(self, job: TierJob, result: object) -> None:
+        self.tier.finish_store(job, result)
 
     def assert_promoted_exact(self, *keys: OffloadKey) -> None:
         for key in keys:

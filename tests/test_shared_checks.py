@@ -18,7 +18,7 @@ from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
 from tiering.managers.promotions import Promotions
-from tiering.managers.secondary_tier import SecondaryTier, TierKeyState
+from tiering.managers.secondary_tier import SecondaryTier, TierJob, TierKeyState
 from tiering.managers.shared_checks import SharedChecks
 from tiering.managers.shared_tier import SharedTier
 from tiering.managers.tier_jobs import TierJobs
@@ -103,15 +103,18 @@ class Rig:
 
     def written_by_another_node(self, *keys: OffloadKey) -> None:
         for key in keys:
-            self.run(self.store.put([key], [memoryview(payload(key).copy())]))
+            self.run(self.store.put([key], [memoryview(payload(key).tobytes())]))
 
     def put_in_local_tier(self, key: OffloadKey) -> None:
         self.rows[SCRATCH] = payload(key)
         job = self.local.start_store([key], {key: SCRATCH}, lookup_counts={})
         assert job is not None
-        self.jobs.submit(job, self.local.finish_store)
+        self.jobs.submit(job, self._store_done)
         self.settle()
         self.rows[SCRATCH] = 0
+
+    def _store_done(self, job: TierJob, result: object) -> None:
+        self.local.finish_store(job, result)
 
     def store_in_primary(self, key: OffloadKey) -> None:
         out = self.primary.prepare_store([key], req_context="engine")
