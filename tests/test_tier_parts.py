@@ -149,19 +149,26 @@ def test_settings_out_of_bounds_name_the_tier() -> None:
             shared = False
 
     backend: Any = Backend()
-    ok = {"write_policy": "write_back", "selective_min_lookups": 1, "max_inflight_jobs": 1}
-    assert check_tier_settings("t", backend, shared=False, io_timeout_s=1, **ok) is (
-        WritePolicy.WRITE_BACK
-    )
-    with pytest.raises(ConfigurationError, match=r"tier 't': io_timeout_s must be"):
-        check_tier_settings("t", backend, shared=False, io_timeout_s=0, **ok)
-    with pytest.raises(ConfigurationError, match=r"tier 't': unknown write_policy 'sometimes'"):
-        check_tier_settings(
-            "t", backend, shared=False, io_timeout_s=1, **(ok | {"write_policy": "sometimes"})
+
+    def check(write_policy: str = "write_back", io_timeout_s: float = 1) -> WritePolicy:
+        return check_tier_settings(
+            "t",
+            backend,
+            shared=False,
+            write_policy=write_policy,
+            selective_min_lookups=1,
+            max_inflight_jobs=1,
+            io_timeout_s=io_timeout_s,
         )
+
+    assert check() is WritePolicy.WRITE_BACK
+    with pytest.raises(ConfigurationError, match=r"tier 't': io_timeout_s must be"):
+        check(io_timeout_s=0)
+    with pytest.raises(ConfigurationError, match=r"tier 't': unknown write_policy 'sometimes'"):
+        check(write_policy="sometimes")
     Backend.capabilities.shared = True
     with pytest.raises(ConfigurationError, match=r"the 'mem' backend is shared"):
-        check_tier_settings("t", backend, shared=False, io_timeout_s=1, **ok)
+        check()
 
 
 def test_job_outcomes_record_the_latency_or_fail_every_key() -> None:
