@@ -22,6 +22,7 @@ from tiering.policies import (
     register_policy,
 )
 from tiering.policies import _order as order_module
+from tiering.policies import _stamped_order as stamped_module
 from tiering.policies import registry as policy_registry
 from tiering.policies._order import RecencyOrder
 from tiering.testing.policy_tests import (
@@ -648,11 +649,11 @@ class _CompactingMixin(PolicyMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._slack = order_module._STALE_SLACK
-        order_module._STALE_SLACK = 0
+        self._slack = stamped_module._STALE_SLACK
+        stamped_module._STALE_SLACK = 0
 
     def teardown(self) -> None:
-        order_module._STALE_SLACK = self._slack
+        stamped_module._STALE_SLACK = self._slack
 
     @invariant()
     def heap_accounts_for_released_keys(self) -> None:
@@ -664,7 +665,7 @@ class _CompactingMixin(PolicyMachine):
             in_heap = {(s, k) for k, s in released.items() if k not in in_rel}
             assert order._released == len(in_heap)
             assert in_heap <= set(order._heap)  # each released key keeps its place
-            assert 0 <= order.stale_heap_entries <= order_module._STALE_FACTOR * order._released
+            assert 0 <= order.stale_heap_entries <= stamped_module._STALE_FACTOR * order._released
 
 
 class LRUCompactingMachine(_CompactingMixin, LRUMachine):

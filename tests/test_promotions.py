@@ -16,10 +16,10 @@ from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TierJobs
 from tiering.managers.promotions import PromotionBatch, Promotions
 from tiering.managers.protocol import OffloadingEvent
 from tiering.managers.secondary_tier import SecondaryTier, TierJob, TierKeyState
-from tiering.managers.tier_jobs import TierJobs
 
 ROW_BYTES = 128
 FINGERPRINT = make_layout_fingerprint({"test-promotions": ROW_BYTES})

@@ -17,11 +17,11 @@ from tiering.core.block_format import HEADER_BYTES, make_layout_fingerprint
 from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TierJobs
 from tiering.managers.promotions import Promotions
 from tiering.managers.secondary_tier import SecondaryTier, TierJob, TierKeyState
 from tiering.managers.shared_checks import SharedChecks
 from tiering.managers.shared_tier import SharedTier
-from tiering.managers.tier_jobs import TierJobs
 
 ROW_BYTES = 128
 FINGERPRINT = make_layout_fingerprint({"test-shared-checks": ROW_BYTES})

@@ -137,7 +137,8 @@ def test_values_vllm_accepts_still_work_as_vllm_reads_them(tmp_path: Path) -> No
         assert isinstance(driver.spec, TieringSpec) and driver.spec.num_chunks == CPU_CHUNKS
         assert isinstance(manager, TieringManager)
         assert manager.store_threshold == 3 and manager.policy == "lru"
-        assert manager.manager.primary._offers_max_keys == 128
+        admission = manager.manager.primary._admission
+        assert admission is not None and admission.max_keys == 128
     finally:
         driver.shutdown()
 

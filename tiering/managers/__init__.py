@@ -6,7 +6,7 @@
 - :mod:`~tiering.managers.secondary_tier` and :mod:`~tiering.managers.shared_tier`: a backend
   behind a policy, with its jobs, deadlines and latencies;
 - :mod:`~tiering.managers.tiering_manager`: the primary composed with secondary tiers (its base
-  :mod:`~tiering.managers.lifecycle`; its collaborators: ``tier_jobs``, ``event_log``,
+  :mod:`~tiering.managers.lifecycle`; its collaborators: ``job_runner``, ``event_log``,
   ``cascade``, ``promotions``, ``shared_checks``, ``tier_lookups``, ``stalls``,
   ``step_results``, ``tiering_stats``);
 - :mod:`~tiering.managers.pool`, :mod:`~tiering.managers.io_loop`: the CPU block pool and the

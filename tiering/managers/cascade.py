@@ -23,8 +23,8 @@ import cachetools
 from tiering.core.keys import OffloadKey
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TierJobs
 from tiering.managers.secondary_tier import SecondaryTier, TierJob, WritePolicy
-from tiering.managers.tier_jobs import TierJobs
 
 __all__ = ["StoreCascade"]
 

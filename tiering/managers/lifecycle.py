@@ -33,6 +33,7 @@ from tiering.errors import ConfigurationError, TieringError
 from tiering.managers.cascade import StoreCascade
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TierJobs
 from tiering.managers.promotions import Promotions
 from tiering.managers.protocol import ConfigInfo, ManagerStats, OffloadingManager
 from tiering.managers.secondary_tier import SecondaryTier, TierJob, WritePolicy
@@ -40,7 +41,6 @@ from tiering.managers.shared_checks import SharedChecks
 from tiering.managers.shared_tier import SharedTier
 from tiering.managers.stalls import StalledJobs
 from tiering.managers.step_results import StepResults
-from tiering.managers.tier_jobs import TierJobs
 from tiering.managers.tier_lookups import LookupCounts, TierLookups
 from tiering.managers.tiering_stats import TieringStats
 

@@ -30,10 +30,10 @@ from typing import cast
 from tiering.core.keys import OffloadKey
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TierJobs
 from tiering.managers.protocol import request_key
 from tiering.managers.secondary_tier import SecondaryTier, TierJob
 from tiering.managers.shared_checks import SharedChecks
-from tiering.managers.tier_jobs import TierJobs
 
 __all__ = ["PromotionBatch", "Promotions", "Waiting"]
 

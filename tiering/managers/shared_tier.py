@@ -343,7 +343,7 @@ class SharedTier(SecondaryTier):
             return None
         writing.update(send)
         self.metrics.store_jobs += 1
-        return self._write_job("store", send, [slots[k] for k in send], (), req_context)
+        return self._io.write_job("store", send, [slots[k] for k in send], (), req_context)
 
     def start_put(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview], *, req_context: object = None
@@ -363,7 +363,7 @@ class SharedTier(SecondaryTier):
         writing.update(send)
         self.metrics.store_jobs += 1
         picked = [index[k] for k in send]
-        return self._write_job(
+        return self._io.write_job(
             "put", send, picked, (), req_context, buffers=[buffers[i] for i in picked]
         )
 
@@ -403,17 +403,7 @@ class SharedTier(SecondaryTier):
     ) -> TierJob:
         """Read ``keys`` into the primary slots reserved for them (or into ``buffers``)."""
         self.metrics.promotions += 1
-        self.inflight_jobs += 1
-        buffers = tuple(self._row(s) for s in slots) if buffers is None else tuple(buffers)
-        return TierJob(
-            "promote",
-            self,
-            tuple(keys),
-            self._read(keys, buffers),
-            slots=tuple(slots),
-            buffers=buffers,
-            req_context=req_context,
-        )
+        return self._io.read_job(keys, slots, req_context, buffers)
 
     def finish_promotion(self, job: TierJob, result: object) -> PromotionResult:
         """Keys read are loaded; a key gone or corrupt in the store is a miss the cache

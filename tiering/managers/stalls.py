@@ -4,7 +4,7 @@ Each store, promotion, existence check and delete the manager submits is armed w
 ``io_timeout_s`` (:class:`~tiering.managers.deadline.DeadlineWatch`). Whichever comes first, the
 job's I/O returning or its deadline passing, *claims* the job (under one lock) and queues the
 job's result, or a :class:`~tiering.managers.deadline.JobTimedOut`
-(:mod:`tiering.managers.tier_jobs`); both are applied on the caller's thread like every result
+(:mod:`tiering.managers.job_runner`); both are applied on the caller's thread like every result
 (at the next call, or at a step boundary), so the engine's calls never wait.
 :class:`StalledJobs` applies the timeouts and the late results.
 
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.deadline import JobTimedOut
 from tiering.managers.event_log import EventLog
+from tiering.managers.job_runner import TIMED_KINDS, OnDone, TierJobs, late_result
 from tiering.managers.secondary_tier import TierJob
-from tiering.managers.tier_jobs import TIMED_KINDS, OnDone, TierJobs, late_result
 
 __all__ = ["TIMED_KINDS", "StalledJobs", "late_result"]
 

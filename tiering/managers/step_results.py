@@ -1,6 +1,6 @@
 """When the results of tier jobs apply: on the caller's thread, in submission order.
 
-A finished job only enqueues its result (:mod:`tiering.managers.tier_jobs`); it is applied on the
+A finished job only enqueues its result (:mod:`tiering.managers.job_runner`); it is applied on the
 caller's thread, so all metadata is touched by one thread and no locks sit on the hot path.
 Standalone, results apply at the start of each protocol call; step-driven, only at a step
 boundary (``on_schedule_end``: the jobs of earlier steps only), so a given sequence of calls
@@ -21,9 +21,9 @@ import time
 
 from tiering.errors import TieringError
 from tiering.managers.deadline import JobTimedOut
+from tiering.managers.job_runner import TierJobs, late_result
 from tiering.managers.promotions import Promotions
 from tiering.managers.stalls import StalledJobs
-from tiering.managers.tier_jobs import TierJobs, late_result
 
 __all__ = ["StepResults"]
 

@@ -16,7 +16,7 @@ need:
 
 The tiers own their jobs (:mod:`tiering.managers.secondary_tier`): a tier decides what to write
 or read, reserves room, counts, and builds the I/O; the manager's collaborators only hold the
-primary rows a job uses, submit the job (:mod:`tiering.managers.tier_jobs`), emit its events
+primary rows a job uses, submit the job (:mod:`tiering.managers.job_runner`), emit its events
 (:mod:`tiering.managers.event_log`), and hand its result back to the tier. The manager keeps the
 protocol calls and their hot paths; its base class (:mod:`tiering.managers.lifecycle`) builds
 and wires the collaborators, and holds what is not the protocol: waiting, asyncio, reset,

@@ -47,7 +47,8 @@ class Writer:
     def start(self) -> None:
         # Each thread gets its own queue: a thread still finishing after stop() (its STOP is
         # queued behind the item it runs) must not take the next thread's jobs.
-        self._jobs = jobs = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Job | Call | object] = queue.SimpleQueue()
+        self._jobs = jobs
         self._thread = threading.Thread(
             target=self._loop, args=(jobs,), name=f"lmdb-writer:{self._path}", daemon=True
         )
