@@ -257,11 +257,35 @@ def kept_notes(path: Path) -> dict[str, str]:
     return notes
 
 
+HAND_SECTION_SUFFIX = "(written by hand)"
+
+
+def kept_hand_sections(path: Path) -> list[str]:
+    """Whole sections of an existing report whose heading ends with ``(written by hand)``:
+    comparisons between runs (before/after a change), which no benchmark writes. Kept at the end
+    of the report, in their order."""
+    if not path.exists():
+        return []
+    sections: list[str] = []
+    current: list[str] | None = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            if current is not None:
+                sections.append("\n".join(current).rstrip())
+            current = [line] if line.rstrip().endswith(HAND_SECTION_SUFFIX) else None
+        elif current is not None:
+            current.append(line)
+    if current is not None:
+        sections.append("\n".join(current).rstrip())
+    return sections
+
+
 def write_markdown(
     path: Path, results: list[tuple[str, str, str, str, float]], quick: bool
 ) -> None:
     today = datetime.date.today().isoformat()
     notes = kept_notes(path)
+    hand_sections = kept_hand_sections(path)
     lines = [
         "# Benchmarks",
         "",
@@ -284,6 +308,8 @@ def write_markdown(
         lines += [output, ""]
         if title in notes:
             lines += [notes[title], ""]
+    for section in hand_sections:
+        lines += [section, ""]
     path.write_text("\n".join(lines))
 
 

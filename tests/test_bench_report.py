@@ -55,3 +55,14 @@ def test_the_gpu_section_takes_in_the_last_gpu_check_run(tmp_path: Path) -> None
     assert section.startswith("**The machine that wrote this file has no CUDA device")
     assert section.endswith("Measured on an H100.\n\n### The run\n\n| a |")
     assert "# Title" not in section
+
+
+def test_sections_written_by_hand_are_kept_at_the_end(tmp_path: Path) -> None:
+    run_all = load_run_all()
+    report = tmp_path / "benchmarks.md"
+    hand = "## Before and after a move (written by hand)\n\n| ratio | 1.00 |\n\n- a note"
+    report.write_text(f"# Benchmarks\n\n## A\n\n| old |\n\n{hand}\n\n## B\n\n| old B |\n")
+    run_all.write_markdown(report, [("A", "about", "cmd", "| new |", 1.0)], False)
+    text = report.read_text()
+    assert "| old" not in text and text.count(hand) == 1
+    assert text.index("| new |") < text.index(hand) and text.rstrip().endswith("- a note")
