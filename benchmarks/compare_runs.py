@@ -18,7 +18,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-RATIO_HEADER = re.compile(r"/|x raw|ratio|speed-up|%|gap closed", re.IGNORECASE)
+RATIO_HEADER = re.compile(r"/|^x |ratio|speed-up|%|gap closed| vs ", re.IGNORECASE)
+VERDICT_HEADER = re.compile(r"\bmet\b|\bok\b|target", re.IGNORECASE)
 NUMBER = re.compile(r"^\**\s*([-+]?\d[\d,]*\.?\d*)\s*%?")
 
 Table = tuple[list[str], list[list[str]]]
@@ -50,11 +51,12 @@ def number(cell: str) -> float | None:
 
 
 def _key(header: list[str], row: list[str]) -> tuple[str, ...]:
-    """The row's identity: its cells that are not measurements (text, or the leading sizes)."""
+    """The row's identity: its cells that are not measurements or verdicts (text, sizes)."""
     return tuple(
         cell
         for name, cell in zip(header, row, strict=False)
-        if number(cell) is None or not _is_ratio(name) and not _measured(name)
+        if not VERDICT_HEADER.search(name)
+        and (number(cell) is None or not _is_ratio(name) and not _measured(name))
     )
 
 
@@ -63,7 +65,7 @@ def _is_ratio(name: str) -> bool:
 
 
 def _measured(name: str) -> bool:
-    return bool(re.search(r"GB/s|µs|\bus\b|\bms\b|\bs\b", name))
+    return bool(re.search(r"GB/s|gbps|µs|\bus\b|_us_|\bms\b|\bs\b|ceiling", name, re.IGNORECASE))
 
 
 def compare(
