@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RATIO_HEADER = re.compile(r"/|^x |ratio|speed-up|%|gap closed| vs ", re.IGNORECASE)
+SIZE_HEADER = re.compile(r"block|keys|size|chunks|threads|seed|requests", re.IGNORECASE)
 VERDICT_HEADER = re.compile(r"\bmet\b|\bok\b|target", re.IGNORECASE)
 NUMBER = re.compile(r"^\**\s*([-+]?\d[\d,]*\.?\d*)\s*%?")
 
@@ -51,13 +52,17 @@ def number(cell: str) -> float | None:
 
 
 def _key(header: list[str], row: list[str]) -> tuple[str, ...]:
-    """The row's identity: its cells that are not measurements or verdicts (text, sizes)."""
+    """The row's identity: its text cells and its sizes (blocks, keys, threads, ...), not its
+    measurements or verdicts."""
     return tuple(
         cell
         for name, cell in zip(header, row, strict=False)
-        if not VERDICT_HEADER.search(name)
-        and (number(cell) is None or not _is_ratio(name) and not _measured(name))
+        if not VERDICT_HEADER.search(name) and (number(cell) is None or _is_size(name))
     )
+
+
+def _is_size(name: str) -> bool:
+    return bool(SIZE_HEADER.search(name)) and not _is_ratio(name) and not _measured(name)
 
 
 def _is_ratio(name: str) -> bool:
