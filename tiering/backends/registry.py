@@ -89,6 +89,8 @@ GENERIC_TIER_KEYS = (
     "io_timeout_s",
     "existence_cache_seconds",
     "existence_cache_max_keys",
+    "admission_min_count",
+    "admission_width",
 )
 #: Backend and tier names: a letter, then up to 63 letters, digits, '_' or '-'.
 NAME_PATTERN = r"[A-Za-z][A-Za-z0-9_-]{0,63}"

@@ -121,6 +121,8 @@ def _shared_tier(tier: TierConfig, backend: StorageBackend) -> SharedTier:
         max_inflight_jobs=tier.max_inflight_jobs,
         quarantine_seconds=tier.quarantine_seconds,
         io_timeout_s=tier.io_timeout_s,
+        admission_min_count=tier.admission_min_count,
+        admission_width=tier.admission_width,
         **cache,
     )
 
@@ -140,6 +142,8 @@ def _private_tier(tier: TierConfig, backend: StorageBackend) -> SecondaryTier:
         max_inflight_jobs=tier.max_inflight_jobs,
         quarantine_seconds=tier.quarantine_seconds,
         io_timeout_s=tier.io_timeout_s,
+        admission_min_count=tier.admission_min_count,
+        admission_width=tier.admission_width,
     )
 
 

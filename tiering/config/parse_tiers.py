@@ -93,6 +93,7 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
     generic = {k: v for k, v in item.items() if k in _TIER_KEYS}
     keys: _TierKeys = _parse_mapping(ctx, _with_lines(item, generic), path, _TierKeys, line)
     _check_policy(ctx, keys.policy, f"{path}.policy", item)
+    _check_admission(ctx, keys, path, item)
     settings = _parse_backend_settings(ctx, item, path, line, entry)
     return TierConfig(
         name=name,
@@ -107,8 +108,30 @@ def _parse_tier(ctx: _Context, item: object, path: str, line: int | None) -> Tie
         io_timeout_s=keys.io_timeout_s,
         existence_cache_seconds=keys.existence_cache_seconds,
         existence_cache_max_keys=keys.existence_cache_max_keys,
+        admission_min_count=keys.admission_min_count,
+        admission_width=keys.admission_width,
         settings=settings,
     )
+
+
+def _check_admission(ctx: _Context, keys: _TierKeys, path: str, item: Mapping[str, Any]) -> None:
+    """The admission keys that cannot go together (their ranges are the schema's)."""
+    if keys.admission_width is not None and keys.admission_min_count == 0:
+        raise ctx.error(
+            f"{path}.admission_width",
+            f"{keys.admission_width} is set but admission_min_count is 0 (no gate); set "
+            "admission_min_count >= 1 or remove admission_width",
+            _key_line(item, "admission_width"),
+        )
+    if keys.admission_min_count and keys.write_policy == WritePolicy.WRITE_BACK:
+        raise ctx.error(
+            f"{path}.admission_min_count",
+            f"{keys.admission_min_count}: admission applies to write_through and "
+            "write_through_selective tiers, not write_back (which writes only the blocks the "
+            "CPU tier evicts; one not admitted would leave every tier); set it to 0 or change "
+            "write_policy",
+            _key_line(item, "admission_min_count"),
+        )
 
 
 def _parse_tier_type(

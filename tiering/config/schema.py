@@ -198,6 +198,8 @@ class TierConfig:
     io_timeout_s: float = 30.0
     existence_cache_seconds: float | None = None  # shared tiers only (None: SharedTier's default)
     existence_cache_max_keys: int | None = None
+    admission_min_count: int = 0  # 0: no admission gate
+    admission_width: int | None = None  # None: 8 counters per block of capacity
     settings: object = field(default_factory=NoSettings)
 
     @property
@@ -248,6 +250,24 @@ class _TierKeys:
     existence_cache_max_keys: int | None = field(
         default=None,
         metadata={"min": 1, "doc": "shared tiers: answers cached at most (default 65536)"},
+    )
+    admission_min_count: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "max": 255,
+            "doc": "admission gate: write a block only once it was looked up past the CPU tier "
+            "this many times recently (a count-min sketch with aging); 0: no gate. Not with "
+            "write_back",
+        },
+    )
+    admission_width: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "doc": "the admission gate's counters per row (rounded up to a power of two; "
+            "memory 4 bytes each); default 8 per block of capacity, at least 64",
+        },
     )
 
 

@@ -88,9 +88,11 @@ class TieringLifecycle(OffloadingManager):
         primary, tiers, step_driven = self.primary, self.tiers, self.step_driven
         self._tier_jobs = jobs = TierJobs(owner=self)
         self._io = jobs.io
-        self._counts_lookups = any(
-            t.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE for t in tiers
-        )
+        selective = any(t.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE for t in tiers)
+        gates = [t.admission for t in tiers if t.admission is not None]
+        # Lookups past the primary are counted only when a tier goes by them: otherwise the
+        # hot path keeps its shortcuts (tier_lookups.miss_sets).
+        self._counts_lookups = selective or bool(gates)
         self._lookup_counts: cachetools.LRUCache[bytes, int] = cachetools.LRUCache(
             lookup_counter_size
         )
@@ -121,6 +123,8 @@ class TieringLifecycle(OffloadingManager):
             self._lookup_counts,
             step_driven=step_driven,
             counts_lookups=self._counts_lookups,
+            selective=selective,
+            gates=gates,
         )
         self._stalls = StalledJobs(
             primary, jobs, self._events, promotions.promoting, self._cascade.release_draining

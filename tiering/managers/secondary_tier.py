@@ -35,6 +35,7 @@ import numpy as np
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.errors import ConfigurationError
 from tiering.managers.protocol import ConfigInfo
+from tiering.managers.tier_admission import admission_gate, admit
 from tiering.managers.tier_deadlines import TierStall
 from tiering.managers.tier_index import TierIndex, TierKeyState
 from tiering.managers.tier_io import TierIO
@@ -50,6 +51,7 @@ from tiering.managers.tier_stats import TierMetrics
 from tiering.managers.tier_write_policy import WritePolicy, WriteSchedule
 from tiering.managers.tier_writes import TierWrites
 from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies.admission import FrequencyGate
 
 __all__ = [
     "IOResult",
@@ -72,7 +74,8 @@ class SecondaryTier:
     ``capacity_blocks``. ``max_inflight_jobs`` bounds the jobs in flight at once: over it, stores
     are shed (and counted) and promotions wait their turn. ``quarantine_seconds`` is how long a
     key whose promotion failed is treated as absent. ``io_timeout_s`` is the deadline of each
-    job (see *Deadlines* below).
+    job (see *Deadlines* below). ``admission_min_count`` >= 1 gates its stores
+    (:mod:`~tiering.managers.tier_admission`; ``admission_width`` sizes the gate).
 
     Deadlines. A job past ``io_timeout_s`` counts as failed (:meth:`time_out`): its keys are
     misses, and the tier is *stalled* until every such job's I/O has returned
@@ -100,6 +103,8 @@ class SecondaryTier:
         quarantine_seconds: float = 10.0,
         quarantine_max_keys: int = 65536,
         io_timeout_s: float = 30.0,
+        admission_min_count: int = 0,
+        admission_width: int | None = None,
     ) -> None:
         self.backend = backend
         self.name = name or backend.name
@@ -114,6 +119,14 @@ class SecondaryTier:
             io_timeout_s=io_timeout_s,
         )
         self.selective_min_lookups = selective_min_lookups
+        #: The admission gate the manager records lookups in (None: every store is written).
+        self.admission: FrequencyGate | None = admission_gate(
+            self.name,
+            backend.capacity_blocks,
+            self.write_policy,
+            admission_min_count,
+            admission_width,
+        )
         self.max_inflight_jobs = max_inflight_jobs
         self.io_timeout_s = float(io_timeout_s)
         self._stall = TierStall(self.name, self.io_timeout_s)
@@ -222,6 +235,7 @@ class SecondaryTier:
             "block_bytes": self.backend.block_bytes,
             "max_inflight_jobs": self.max_inflight_jobs,
             "io_timeout_s": self.io_timeout_s,
+            "admission_min_count": 0 if self.admission is None else self.admission.min_count,
         }
 
     # -- metadata (manager thread only) -----------------------------------------------------------
@@ -294,7 +308,8 @@ class SecondaryTier:
 
         Write-through writes them now; selective write-through those looked up at least
         ``selective_min_lookups`` times (``lookup_counts``); write-back only notes them, to write
-        when the primary evicts them (:meth:`start_write_back`). Returns the job to run, or None
+        when the primary evicts them (:meth:`start_write_back`). A gated tier then writes only
+        the keys its gate admits (:func:`~tiering.managers.tier_admission.admit`). Returns the job to run, or None
         (nothing to write now, or shed over the job bound or for want of room: counted).
         """
         if self._policy is None:
@@ -302,6 +317,10 @@ class SecondaryTier:
         to_write = self._schedule.to_write_now(keys, lookup_counts)
         if to_write is None:
             return None
+        if self.admission is not None:
+            to_write = admit(self.admission, to_write, self.held, self.metrics)
+            if not to_write:
+                return None
         return self._start_write("store", to_write, slots, req_context)
 
     def start_put(

@@ -66,6 +66,7 @@ from tiering.managers.secondary_tier import (
     TierMetrics,
     WritePolicy,
 )
+from tiering.managers.tier_admission import admit
 
 __all__ = ["CheckResult", "SharedTier", "SharedTierMetrics"]
 
@@ -133,6 +134,8 @@ class SharedTier(SecondaryTier):
         existence_cache_seconds: float = 2.0,
         existence_cache_max_keys: int = 65536,
         io_timeout_s: float = 30.0,
+        admission_min_count: int = 0,
+        admission_width: int | None = None,
     ) -> None:
         tier_name = name or backend.name
         if not backend.capabilities.shared:
@@ -149,6 +152,8 @@ class SharedTier(SecondaryTier):
             quarantine_seconds=quarantine_seconds,
             quarantine_max_keys=quarantine_max_keys,
             io_timeout_s=io_timeout_s,
+            admission_min_count=admission_min_count,
+            admission_width=admission_width,
         )
         if self.write_policy is WritePolicy.WRITE_BACK:
             raise ConfigurationError(
@@ -318,7 +323,7 @@ class SharedTier(SecondaryTier):
     ) -> TierJob | None:
         """Write the keys that just became ready in the primary, by write policy, with
         ``put_if_absent``; keys the cache says the store holds are not sent (counted), nor keys
-        this tier is writing already. None if nothing is to be written, or the write is shed
+        this tier is writing already, nor keys its admission gate keeps out (counted). None if nothing is to be written, or the write is shed
         over the job bound (counted), or the tier is stalled."""
         if not self.serving:
             return None
@@ -336,6 +341,8 @@ class SharedTier(SecondaryTier):
             else:
                 send.append(key)
         self.metrics.writes_skipped_cached += skipped
+        if send and self.admission is not None:
+            send = admit(self.admission, send, (), self.metrics)
         if not send:
             return None
         if not self.has_capacity_for_job:

@@ -30,6 +30,7 @@ from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.promotions import Promotions
 from tiering.managers.protocol import HIT, HIT_PENDING, MISS, RETRY, LookupResult, request_key
 from tiering.managers.secondary_tier import SecondaryTier, TierKeyState
+from tiering.policies.admission import FrequencyGate
 
 __all__ = ["LookupCounts", "TierLookups", "miss_sets", "one_tier_lookup_result"]
 
@@ -108,7 +109,9 @@ class TierLookups:
     """Lookups of keys below ``primary``, in ``tiers`` (see the module docstring).
 
     ``counts`` are the primary's lookup counts; ``lookup_counts`` counts lookups per key for
-    ``write_through_selective`` tiers (``counts_lookups``: some tier is one)."""
+    ``write_through_selective`` tiers (``selective``: some tier is one), and ``gates`` are the
+    admission gates of the tiers that have one (:mod:`~tiering.managers.tier_admission`):
+    each records every key looked up past the primary. ``counts_lookups``: either applies."""
 
     def __init__(
         self,
@@ -120,6 +123,8 @@ class TierLookups:
         *,
         step_driven: bool,
         counts_lookups: bool,
+        selective: bool,
+        gates: Sequence[FrequencyGate],
     ) -> None:
         self.primary = primary
         self.tiers = tiers
@@ -128,6 +133,8 @@ class TierLookups:
         self.lookup_counts = lookup_counts
         self.step_driven = step_driven
         self.counts_lookups = counts_lookups
+        self.selective = selective
+        self.gates = tuple(gates)
 
     def below(self, key: bytes, req_context: object) -> LookupResult:
         """The answer for a key the primary does not hold."""
@@ -262,6 +269,9 @@ class TierLookups:
         return ABSENT, -1
 
     def count(self, key: bytes) -> None:
-        """Count a lookup of ``key`` (``write_through_selective`` tiers store keys looked up
-        often enough)."""
-        self.lookup_counts[key] = self.lookup_counts.get(key, 0) + 1
+        """Count a lookup of ``key`` past the primary: ``write_through_selective`` tiers store
+        keys looked up often enough, and gated tiers keys their gate admits."""
+        if self.selective:
+            self.lookup_counts[key] = self.lookup_counts.get(key, 0) + 1
+        for gate in self.gates:
+            gate.record(key)

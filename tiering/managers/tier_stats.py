@@ -25,6 +25,7 @@ class TierMetrics:
     stored_blocks: int = 0
     store_failures: int = 0
     stores_shed: int = 0
+    stores_not_admitted: int = 0  # keys a store offered that the admission gate kept out
     full_retries: int = 0
     evictions: int = 0
     bytes_written: int = 0

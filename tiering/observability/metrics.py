@@ -108,6 +108,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Blocks not written to the tier: too many jobs in flight or no room to evict.",
     ),
     MetricSpec(
+        "tiering_stores_not_admitted",
+        "counter",
+        "Blocks not written to the tier: its admission gate had not seen them looked up "
+        "admission_min_count times recently.",
+    ),
+    MetricSpec(
         "tiering_full_retries", "counter", "Writes retried after the backend reported full."
     ),
     MetricSpec(
@@ -269,6 +275,7 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
         ("tiering_read_bytes", "bytes_read"),
         ("tiering_evicted_blocks", "evictions"),
         ("tiering_shed_stores", "stores_shed"),
+        ("tiering_stores_not_admitted", "stores_not_admitted"),
         ("tiering_full_retries", "full_retries"),
         ("tiering_corrupt_blocks", "corrupt_blocks"),
         ("tiering_quarantined_keys", "quarantined"),

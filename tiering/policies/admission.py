@@ -12,12 +12,17 @@ recently, the frequency TinyLFU estimates (Einziger et al., 2017):
   once per ``10 * width`` records: O(1) amortized per record).
 
 Memory: ``4 * width`` bytes. Keys are ``bytes`` (block hashes); their first 8 bytes, mixed by
-four odd multipliers, index the rows, so the gate is deterministic across processes.
+four odd multipliers (a product's top bits, which pick the slot, depend on every bit of the
+key's 8 bytes), index the rows, so the gate is deterministic across processes.
+
+A secondary tier configured with ``admission_min_count`` holds one, sized by
+:func:`default_width` unless ``admission_width`` says otherwise; the policy study sizes its
+model of the tier the same way.
 """
 
 from __future__ import annotations
 
-__all__ = ["FrequencyGate"]
+__all__ = ["MAX_MIN_COUNT", "FrequencyGate", "default_width"]
 
 _ROWS = 4
 _MULTIPLIERS = (
@@ -28,6 +33,13 @@ _MULTIPLIERS = (
 )
 _MASK64 = (1 << 64) - 1
 _MAX_COUNT = 255
+#: The largest ``min_count`` a gate can reach (its counters saturate there).
+MAX_MIN_COUNT = _MAX_COUNT
+
+
+def default_width(capacity_blocks: int) -> int:
+    """The sketch width for a tier of ``capacity_blocks``: 8 counters per block, at least 64."""
+    return max(64, 8 * capacity_blocks)
 
 
 class FrequencyGate:
@@ -38,8 +50,12 @@ class FrequencyGate:
     def __init__(self, width: int, min_count: int = 2) -> None:
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ValueError(f"width must be an int >= 1, got {width!r}")
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise ValueError(f"min_count must be an int >= 1, got {min_count!r}")
+        if (
+            isinstance(min_count, bool)
+            or not isinstance(min_count, int)
+            or not 1 <= min_count <= MAX_MIN_COUNT
+        ):
+            raise ValueError(f"min_count must be an int in [1, {MAX_MIN_COUNT}], got {min_count!r}")
         bits = max(4, (width - 1).bit_length())
         self.width = 1 << bits
         self._shift = 64 - bits
@@ -49,7 +65,7 @@ class FrequencyGate:
         self._aging_period = 10 * self.width
 
     def _slots(self, key: bytes) -> list[int]:
-        base = int.from_bytes(key[:8], "little") | 1
+        base = int.from_bytes(key[:8], "little")
         shift = self._shift
         return [((base * m) & _MASK64) >> shift for m in _MULTIPLIERS]
 
