@@ -309,8 +309,9 @@ class SecondaryTier:
         Write-through writes them now; selective write-through those looked up at least
         ``selective_min_lookups`` times (``lookup_counts``); write-back only notes them, to write
         when the primary evicts them (:meth:`start_write_back`). A gated tier then writes only
-        the keys its gate admits (:func:`~tiering.managers.tier_admission.admit`). Returns the job to run, or None
-        (nothing to write now, or shed over the job bound or for want of room: counted).
+        the keys its gate admits (:func:`~tiering.managers.tier_admission.admit`). Returns the
+        job to run, or None (nothing to write now, or shed over the job bound or for want of
+        room: counted).
         """
         if self._policy is None:
             return None

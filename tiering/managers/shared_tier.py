@@ -323,8 +323,9 @@ class SharedTier(SecondaryTier):
     ) -> TierJob | None:
         """Write the keys that just became ready in the primary, by write policy, with
         ``put_if_absent``; keys the cache says the store holds are not sent (counted), nor keys
-        this tier is writing already, nor keys its admission gate keeps out (counted). None if nothing is to be written, or the write is shed
-        over the job bound (counted), or the tier is stalled."""
+        this tier is writing already, nor keys its admission gate keeps out (counted). None if
+        nothing is to be written, or the write is shed over the job bound (counted), or the
+        tier is stalled."""
         if not self.serving:
             return None
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
