@@ -439,6 +439,10 @@ def test_a_tier_from_a_yaml_file_and_a_plugin_backend(
         ({"backend": "memory", "capacity": "lots"}, "capacity"),
         ({"backend": "memory", "capacity": "1MiB", "colour": "red"}, "colour"),
         ({"backend": "memory", "capacity": "1MiB", "write_policy": "write_back"}, "write_through"),
+        (
+            {"backend": "memory", "capacity": "1MiB", "admission_min_count": 2},
+            "admission_min_count is not available under vLLM's CPU tier",
+        ),
         ({"backend": "memory", "capacity": "1MiB", "locality": "moon"}, "moon"),
         ({"backend": "memory", "capacity": "1MiB", "tier": "x"}, "'tier' names a tier"),
         ({"tiering_config": "t.yaml", "backend": "memory"}, "not both"),

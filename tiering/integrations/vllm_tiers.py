@@ -40,7 +40,8 @@ store jobs are still writing, further stores are shed and reported failed (vLLM'
 a store's CPU rows pinned until it completes, so an unbounded queue would stall the CPU tier);
 promotions always run.
 vLLM cascades every block stored in its CPU tier to every tier, so ``write_policy`` can only be
-``write_through``.
+``write_through``, and a tier takes no admission gate (``admission_min_count``: tiering's own
+manager, e.g. its drop-in, records the lookups a gate needs).
 """
 
 from __future__ import annotations
@@ -554,6 +555,12 @@ def _tier_settings(
             f"{where}: tier {settings.name!r}: write_policy {str(settings.write_policy)!r} is "
             "not available under vLLM's CPU tier, which writes every block it stores to every "
             "tier; use 'write_through'"
+        )
+    if settings.admission_min_count:
+        raise ConfigError(
+            f"{where}: tier {settings.name!r}: admission_min_count is not available under "
+            "vLLM's CPU tier (its lookups do not reach the tier's gate); run the tier under "
+            "tiering's drop-in manager (spec_name TieringSpec), or set admission_min_count to 0"
         )
     return settings
 

@@ -22,8 +22,9 @@ served is written to each ``write_through`` tier that does not hold it, to each
 ``write_through_selective`` tier once it was looked up ``selective_min_lookups`` times, and to
 each ``write_back`` tier when the CPU evicts it. Admission: a selective tier's
 ``selective_min_lookups`` is its gate, and ``admission_min_count`` adds a count-min sketch
-(:mod:`tiering.policies.admission`) to a tier; the study reports the bytes written per served
-block with the gates and without them (every gated tier written through).
+(:mod:`tiering.policies.admission`, sized as the running tier sizes it) to a tier, recording
+each key looked up in it; the study reports the bytes written per served block with the gates
+and without them (every gated tier written through).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from tiering.errors import TieringError
 from tiering.policies import get_policy_class
-from tiering.policies.admission import FrequencyGate
+from tiering.policies.admission import FrequencyGate, default_width
 from tiering.policies.base import EvictionPolicy
 from tiering.replay.belady import _belady_hit_flags
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
@@ -91,6 +92,7 @@ class TierModel:
     write_policy: str = "write_through"
     selective_min_lookups: int = 2
     admission_min_count: int = 0  # 0: no admission gate
+    admission_width: int = 0  # the gate's counters per row; 0: default_width(capacity_blocks)
     block_bytes: int = 0
 
 
@@ -172,7 +174,7 @@ def _simulate_tiers(
     served = bytearray(cpu.flags)
     policies = [get_policy_class(t.policy)(t.capacity_blocks) for t in tiers]
     gates = [
-        FrequencyGate(max(64, 8 * t.capacity_blocks), t.admission_min_count)
+        FrequencyGate(t.admission_width or default_width(t.capacity_blocks), t.admission_min_count)
         if gated and t.admission_min_count > 0
         else None
         for t in tiers

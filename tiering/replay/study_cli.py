@@ -5,7 +5,8 @@ run over the trace's block keys at CPU sizes given as fractions of the trace's u
 (the model is in :mod:`tiering.replay.study`). Per policy and size: prefix-hit and block-hit
 ratios, prefill tokens saved, bytes stored in the CPU tier, and, for each secondary tier of the
 config (its own policy, capacity and write policy), blocks served, bytes written and bytes
-written per served block, with and without an admission gate (``--admission N``).
+written per served block, with and without the tier's admission gate (its
+``admission_min_count``, or ``--admission N`` for every tier).
 
 Traces: a Mooncake JSONL file (``hash_ids`` of ``--block-tokens`` tokens; the study's blocks
 are those), tiering's own JSONL or a token-level built-in (hashed with the config's
@@ -20,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tiering.config import WORKLOAD_TRACES, TieringConfig, load_config
+from tiering.config import WORKLOAD_TRACES, TierConfig, TieringConfig, load_config
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import available_policies, get_policy_class
@@ -78,7 +79,9 @@ def _block_bytes(config: TieringConfig, block_tokens: int) -> int:
     return config.block_bytes() * block_tokens // tokens_per_offload_block
 
 
-def _tier_models(config: TieringConfig, block_bytes: int, admission: int) -> list[TierModel]:
+def _tier_models(config: TieringConfig, block_bytes: int, admission: int | None) -> list[TierModel]:
+    """The config's tiers in study blocks of ``block_bytes``; each keeps its configured gate
+    unless ``admission`` (``--admission``) overrides every tier's ``admission_min_count``."""
     if not block_bytes:
         return []
     return [
@@ -88,11 +91,20 @@ def _tier_models(config: TieringConfig, block_bytes: int, admission: int) -> lis
             policy=tier.policy,
             write_policy=str(tier.write_policy.value),
             selective_min_lookups=tier.selective_min_lookups,
-            admission_min_count=admission,
+            admission_min_count=tier.admission_min_count if admission is None else admission,
+            admission_width=_study_width(config, tier, block_bytes) if admission is None else 0,
             block_bytes=block_bytes,
         )
         for tier in config.secondary_tiers
     ]
+
+
+def _study_width(config: TieringConfig, tier: TierConfig, block_bytes: int) -> int:
+    """A configured ``admission_width`` in study blocks: the same counters per byte of tier (a
+    study block holds several of the tier's blocks); 0 when none is configured."""
+    if tier.admission_width is None:
+        return 0
+    return max(1, tier.admission_width * config.block_bytes() // block_bytes)
 
 
 def _parse_fractions(text: str) -> list[float]:
@@ -190,10 +202,11 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--admission",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="admit a block into the secondary tiers only once looked up N times "
-        "(a count-min sketch with aging); 0: no gate (default)",
+        help="admit a block into every secondary tier only once looked up N times "
+        "(a count-min sketch with aging), whatever the tiers' admission_min_count; 0: no "
+        "gate (default: each tier's admission_min_count)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -206,7 +219,7 @@ def _main(args: argparse.Namespace) -> int:
     policies = _parse_policies(args.policies)
     if args.block_tokens <= 0:
         raise TieringError(f"--block-tokens must be an int > 0, got {args.block_tokens}")
-    if args.admission < 0:
+    if args.admission is not None and args.admission < 0:
         raise TieringError(f"--admission must be an int >= 0, got {args.admission}")
     trace_name = args.trace or config.replay.trace
     trace = load_study_trace(
