@@ -31,6 +31,7 @@ _MULTIPLIERS = (
     0x165667B19E3779F9,
     0xD6E8FEB86659FD93,
 )
+_M0, _M1, _M2, _M3 = _MULTIPLIERS
 _MASK64 = (1 << 64) - 1
 _MAX_COUNT = 255
 #: The largest ``min_count`` a gate can reach (its counters saturate there).
@@ -64,23 +65,39 @@ class FrequencyGate:
         self._since_aging = 0
         self._aging_period = 10 * self.width
 
-    def _slots(self, key: bytes) -> list[int]:
-        base = int.from_bytes(key[:8], "little")
-        shift = self._shift
-        return [((base * m) & _MASK64) >> shift for m in _MULTIPLIERS]
-
     def record(self, key: bytes) -> None:
         """Count one lookup of ``key``."""
-        for row, slot in zip(self._rows, self._slots(key), strict=True):
-            if row[slot] < _MAX_COUNT:
-                row[slot] += 1
+        # Unrolled over the four rows: the manager records every lookup past the primary.
+        base = int.from_bytes(key[:8], "little")
+        shift = self._shift
+        r0, r1, r2, r3 = self._rows
+        s = ((base * _M0) & _MASK64) >> shift
+        if r0[s] < _MAX_COUNT:
+            r0[s] += 1
+        s = ((base * _M1) & _MASK64) >> shift
+        if r1[s] < _MAX_COUNT:
+            r1[s] += 1
+        s = ((base * _M2) & _MASK64) >> shift
+        if r2[s] < _MAX_COUNT:
+            r2[s] += 1
+        s = ((base * _M3) & _MASK64) >> shift
+        if r3[s] < _MAX_COUNT:
+            r3[s] += 1
         self._since_aging += 1
         if self._since_aging >= self._aging_period:
             self._age()
 
     def estimate(self, key: bytes) -> int:
         """Lookups of ``key`` since the last aging (halved by each aging), never fewer."""
-        return min(row[slot] for row, slot in zip(self._rows, self._slots(key), strict=True))
+        base = int.from_bytes(key[:8], "little")
+        shift = self._shift
+        r0, r1, r2, r3 = self._rows
+        return min(
+            r0[((base * _M0) & _MASK64) >> shift],
+            r1[((base * _M1) & _MASK64) >> shift],
+            r2[((base * _M2) & _MASK64) >> shift],
+            r3[((base * _M3) & _MASK64) >> shift],
+        )
 
     def admits(self, key: bytes) -> bool:
         """Whether ``key`` has been looked up ``min_count`` times recently."""
