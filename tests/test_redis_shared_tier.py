@@ -358,6 +358,26 @@ def test_selective_writes(redis_standalone: RedisServer, make_node: Any) -> None
     assert node.backend.stats.bytes_written == BLOCK
 
 
+def test_a_shared_tier_takes_an_admission_gate(
+    redis_standalone: RedisServer, make_node: Any
+) -> None:
+    node = make_node(redis_standalone, admission_min_count=2)
+    looked, once, fresh = _key(1, "adm"), _key(2, "adm"), _key(3, "adm")
+    for key, lookups in ((looked, 2), (once, 1)):
+        for _ in range(lookups):
+            assert node.lookup([key]) in ([RETRY], [MISS])
+            node.settle()
+    node.store([looked, once, fresh])
+    stats = node.manager.metrics()["redis"]
+    assert stats["stored_blocks"] == 1 and stats["stores_not_admitted"] == 2
+    assert node.backend.stats.bytes_written == BLOCK
+    other = make_node(redis_standalone, num_blocks=8)  # another node finds only the admitted
+    assert other.lookup([looked, once]) == [RETRY, RETRY]  # asked with the request's batch
+    other.settle()
+    assert other.lookup([looked, once]) == [HIT, MISS]  # found and promoted; absent
+    other.load_exact([looked])
+
+
 def test_reset_cache_turns_the_shared_tier_off_and_deletes_nothing(
     redis_standalone: RedisServer, make_node: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
