@@ -408,6 +408,23 @@ def test_store_threshold_admits_a_block_on_its_nth_offer(
     assert counters(driver)[("vllm:kv_offload_stores_skipped", ())] == 2
 
 
+def test_a_yaml_tier_s_admission_gate_applies_under_the_drop_in(
+    tmp_path: Path, drivers: list[ManagerDriver]
+) -> None:
+    nvme = {"name": "nvme", "type": "file", "capacity": 16 * SLOT_BYTES, "path": "./nvme"}
+    driver = start(drivers, write_yaml(tmp_path, [{**nvme, "admission_min_count": 2}]))
+    (tier,) = adapter(driver).manager.tiers
+    hot, cold = keys_for("hot", 1), keys_for("cold", 1)
+    r1 = driver.new_request("r1")
+    assert driver.lookup(r1, hot) == [MISS]
+    assert driver.lookup(r1, hot) == [MISS]  # twice past the CPU tier: admitted
+    driver.store(r1, hot + cold)
+    driver.finish_request(r1)
+    driver.settle()
+    assert set(tier.held) == set(hot)
+    assert tier.metrics.stores_not_admitted == 1 and tier.metrics.stored_blocks == 1
+
+
 def test_recency_is_each_request_s_accesses_applied_when_it_finishes(
     tmp_path: Path, drivers: list[ManagerDriver]
 ) -> None:
