@@ -423,6 +423,9 @@ def test_a_yaml_tier_s_admission_gate_applies_under_the_drop_in(
     driver.settle()
     assert set(tier.held) == set(hot)
     assert tier.metrics.stores_not_admitted == 1 and tier.metrics.stored_blocks == 1
+    reported = counters(driver)  # what vLLM's stat logger gets
+    assert reported[(TieringTierMetrics.NOT_ADMITTED_BLOCKS, ("1:nvme",))] == 1
+    assert reported[(TieringTierMetrics.STORED_BLOCKS, ("1:nvme",))] == 1
 
 
 def test_recency_is_each_request_s_accesses_applied_when_it_finishes(

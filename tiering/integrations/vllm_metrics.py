@@ -43,6 +43,7 @@ _TIER_COUNTERS: Final = {
     "stored_blocks": TieringTierMetrics.STORED_BLOCKS,
     "store_failures": TieringTierMetrics.STORE_FAILED_BLOCKS,
     "stores_shed": TieringTierMetrics.SHED_BLOCKS,
+    "stores_not_admitted": TieringTierMetrics.NOT_ADMITTED_BLOCKS,
     "promoted_blocks": TieringTierMetrics.READ_BLOCKS,
     "promotion_failures": TieringTierMetrics.READ_FAILED_BLOCKS,
     "corrupt_blocks": TieringTierMetrics.CORRUPT_BLOCKS,

@@ -98,6 +98,7 @@ class TieringTierMetrics:
     STORED_BLOCKS = "tiering:tier_stored_blocks"
     STORE_FAILED_BLOCKS = "tiering:tier_store_failed_blocks"
     SHED_BLOCKS = "tiering:tier_shed_blocks"
+    NOT_ADMITTED_BLOCKS = "tiering:tier_not_admitted_blocks"
     READ_BLOCKS = "tiering:tier_read_blocks"
     READ_FAILED_BLOCKS = "tiering:tier_read_failed_blocks"
     CORRUPT_BLOCKS = "tiering:tier_corrupt_blocks"
@@ -111,6 +112,8 @@ _COUNTERS = {
     TieringTierMetrics.STORE_FAILED_BLOCKS: "Blocks a tiering tier failed to write.",
     TieringTierMetrics.SHED_BLOCKS: "Blocks not written: the tier had max_inflight_jobs stores "
     "in flight, or could not evict room.",
+    TieringTierMetrics.NOT_ADMITTED_BLOCKS: "Blocks not written: the tier's admission gate had "
+    "not seen them looked up admission_min_count times.",
     TieringTierMetrics.READ_BLOCKS: "Blocks a tiering tier read back into the CPU tier (hits).",
     TieringTierMetrics.READ_FAILED_BLOCKS: "Blocks a tiering tier failed to read back.",
     TieringTierMetrics.CORRUPT_BLOCKS: "Blocks that failed verification on read (dropped).",
