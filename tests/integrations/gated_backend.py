@@ -22,3 +22,13 @@ class GatedMemoryBackend(MemoryBackend):
     async def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[Outcome]:
         await asyncio.get_running_loop().run_in_executor(None, self.gate.wait)
         return await super().put(keys, values)
+
+
+class HangingOpenBackend(MemoryBackend):
+    """``open`` waits until :attr:`release` is set: a tier whose mount or server hangs."""
+
+    release = threading.Event()
+
+    async def open(self) -> list[bytes]:
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait)
+        return await super().open()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -38,7 +40,7 @@ from vllm_harness import (
 )
 
 from tiering.backends.ownership import LayoutMismatchError
-from tiering.errors import ConfigError
+from tiering.errors import BackendError, ConfigError
 from tiering.integrations import vllm_plugin
 from tiering.integrations.vllm_layout import layout_fingerprint
 from tiering.integrations.vllm_tiers import TieringSecondaryTier, TieringTierMetrics
@@ -561,3 +563,38 @@ def test_stores_over_max_inflight_jobs_are_shed_and_reported(
     assert values[TieringTierMetrics.STORED_BLOCKS] == {("gated",): 2}
     # vLLM's manager counts the shed store as a failed cascade of this tier.
     assert values["vllm:kv_offload_tiering_cascade_job_failures"] == {("1:tiering",): 1}
+
+
+def test_a_tier_that_does_not_open_within_its_deadline_fails_the_start_naming_it(
+    drivers: list[ManagerDriver],
+) -> None:
+    """vLLM builds its tiers at engine start and waits for them: a hung open must fail the
+    start, not hang it. The open is held until the start has answered, so the tier's deadline
+    is what ends it; the start runs on a thread so that a regression fails instead of hanging."""
+    from gated_backend import HangingOpenBackend
+
+    HangingOpenBackend.release.clear()
+    tier = {
+        "type": "tiering",
+        "backend": "gated_backend:HangingOpenBackend",
+        "name": "hung",
+        "capacity": "1MiB",
+        "io_timeout_s": 0.2,
+    }
+    raised: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            start(drivers, [tier])
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(120)  # a bound on the hang this test is about, not a timing
+    answered = not thread.is_alive()
+    HangingOpenBackend.release.set()  # let the abandoned open (or a hung start) return
+    thread.join(120)
+    assert answered, "the start waited for a tier that never opened"
+    assert len(raised) == 1 and isinstance(raised[0], BackendError)
+    assert re.search(r"tier 'hung': .* did not open within io_timeout_s=0.2 s", str(raised[0]))

@@ -79,7 +79,7 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from tiering.backends.base import Outcome, StorageBackend
 from tiering.config import TierConfig, build_backend, load_config, parse_config
-from tiering.errors import ConfigError, ProtocolError
+from tiering.errors import BackendError, ConfigError, ProtocolError
 from tiering.integrations.vllm_extra import check_tier_entry
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
 from tiering.managers.io_loop import IOLoop
@@ -211,7 +211,18 @@ class TieringSecondaryTier(SecondaryTierManager):
         self._io = IOLoop(name=f"tiering-tier-{self.name}")
         try:
             # At engine start, before the first step: recover the index the backend verified.
-            recovered = self._io.submit(self.backend.open()).result()
+            # Bounded: a hung mount or a stopped server fails the start, naming the tier, rather
+            # than hang it (vLLM waits for its tiers here; there is no "join later").
+            opening = self._io.submit(self.backend.open())
+            try:
+                recovered = opening.result(timeout=settings.io_timeout_s)
+            except concurrent.futures.TimeoutError:
+                opening.cancel()  # the open stops waiting; its blocked thread is abandoned
+                raise BackendError(
+                    f"tier {self.name!r}: its {self.backend.name!r} backend did not open within "
+                    f"io_timeout_s={settings.io_timeout_s:g} s (a hung mount or a stopped "
+                    "server?); raise io_timeout_s in the tier's entry if opening is slow"
+                ) from None
             self._policy: EvictionPolicy = make_policy(
                 settings.policy, self.backend.capacity_blocks
             )

@@ -30,10 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 async def _contained(coro: Coroutine[Any, Any, T]) -> T:
-    """Await ``coro``; a ``BaseException`` that is not an ``Exception`` becomes a BackendError."""
+    """Await ``coro``; a ``BaseException`` that is not an ``Exception`` becomes a BackendError.
+
+    ``GeneratorExit`` is let through: it is how a job that never finished is closed (its loop
+    stopped, or the job abandoned after its deadline), and a coroutine must not answer it with
+    another exception."""
     try:
         return await coro
-    except (Exception, asyncio.CancelledError):
+    except (Exception, asyncio.CancelledError, GeneratorExit):
         raise
     except BaseException as exc:
         raise BackendError(
