@@ -85,13 +85,14 @@ def compare(
             if header != old_header:
                 continue
             by_key = {_key(old_header, r): r for r in old_rows}
+            # Each row with its match in the old table, paired once for every column.
+            pairs = [(row, by_key.get(_key(header, row))) for row in rows]
+            group = header.index(group_by) if group_by in header else None
             for index, name in enumerate(header):
                 if not _is_ratio(name) or not re.search(pattern, name):
                     continue
-                group = header.index(group_by) if group_by in header else None
                 quotients: dict[str, list[float]] = {}
-                for row in rows:
-                    previous = by_key.get(_key(header, row))
+                for row, previous in pairs:
                     if previous is None or index >= len(row) or index >= len(previous):
                         continue
                     a, b = number(row[index]), number(previous[index])
