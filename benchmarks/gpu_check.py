@@ -365,7 +365,9 @@ def section(
     ]
     for step in done[1:]:
         text = (out / step.log).read_text() if (out / step.log).exists() else ""
-        lines += ["", f"### {step.name}", "", f"`{' '.join(step.command[1:])}`", "", text.strip()]
+        # The report goes into the repo: $OUT, not the machine's own path for it.
+        command = " ".join(step.command[1:]).replace(str(out), "$OUT")
+        lines += ["", f"### {step.name}", "", f"`{command}`", "", text.strip()]
     return "\n".join(lines) + "\n"
 
 

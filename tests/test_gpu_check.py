@@ -32,6 +32,9 @@ def test_the_dry_run_goes_through_every_step_and_writes_the_section(tmp_path: Pa
     section = (tmp_path / "gpu-check.md").read_text()
     assert section.startswith("Measured by `make gpu-check` on CPU (dry run)")
     assert "commit abc1234" in section
+    # The section goes into the repo: no path of the machine that ran it.
+    assert str(tmp_path) not in section
+    assert "--json $OUT/transfers.json`" in section
     for step in ("CUDA tests", "transfers", "load vs prefill"):
         assert f"| {step} |" in section
     rows = json.loads((tmp_path / "load-vs-prefill.json").read_text())["rows"]
