@@ -13,6 +13,8 @@ Tables (GB/s = 1e9 bytes per second, median over repetitions):
   and the time ``submit_*`` held the caller (ms);
 * overlap: bf16 matmuls on the default stream alone, then while stores (and then loads) of
   1024 blocks run on the engine's stream: matmul slowdown and the transfer GB/s meanwhile;
+  ``auto`` (what an engine gets by default: per direction, see tiering.transfer.select) is
+  measured here and in the transfers table besides the strategies named;
 * pages: 256 blocks for pages of 4 to 64 KiB (1 to 16 KV heads), store and load per strategy
   against the limit;
 * triton programs: the Triton kernel's ``max_programs`` at 256 blocks.
@@ -420,11 +422,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     out: dict[str, Any] = {"device": name}
     bench = Bench(device, args.layers, HEADS, num_blocks, 2 * max(blocks))
-    out["transfers"] = transfers_table(bench, strategies, blocks, reps)
+    # The default, auto, chooses per direction: measured as an engine gets it.
+    with_auto = ["auto", *strategies] if "auto" not in strategies else strategies
+    strategies = [s for s in strategies if s != "auto"]
+    out["transfers"] = transfers_table(bench, with_auto, blocks, reps)
     print_transfers(out["transfers"], bench.block_bytes)
     overlap_blocks = max(blocks)
     jobs = 4 if on_gpu else 1
-    out["overlap"] = overlap_table(bench, strategies, overlap_blocks, jobs)
+    out["overlap"] = overlap_table(bench, with_auto, overlap_blocks, jobs)
     print_overlap(out["overlap"], overlap_blocks, jobs, bench.block_bytes)
     if on_gpu and "triton" in strategies:
         sms = torch.cuda.get_device_properties(device).multi_processor_count

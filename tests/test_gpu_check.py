@@ -41,7 +41,9 @@ def test_the_dry_run_goes_through_every_step_and_writes_the_section(tmp_path: Pa
     assert [r["tokens"] for r in rows] == [32, 64]
     assert all(r["kv_bit_exact"] and r["logits_bit_exact"] for r in rows)
     transfers = json.loads((tmp_path / "transfers.json").read_text())
-    assert {r["strategy"] for r in transfers["transfers"]} == {"memmove", "staging", "torch"}
+    expected = {"auto", "memmove", "staging", "torch"}  # auto: the default, as engines get it
+    assert {r["strategy"] for r in transfers["transfers"]} == expected
+    assert {r["strategy"] for r in transfers["pages"]} == expected - {"auto"}
     assert "| loaded KV bit-exact, and decode logits wherever the kernels repeat | 32: yes, " in (
         section
     )
@@ -73,8 +75,9 @@ def test_transfer_verdicts_follow_the_issue_targets() -> None:
             {"page_kib": 64, "strategy": "triton", "store_ratio": 0.84, "load_ratio": 0.9},
         ],
         "overlap": [
-            {"strategy": "triton", "direction": "store", "slowdown": 0.25},
-            {"strategy": "triton", "direction": "load", "slowdown": 0.1},
+            {"strategy": "triton", "direction": "store", "slowdown": 0.25, "transfer_gbps": 50},
+            {"strategy": "triton", "direction": "load", "slowdown": 0.1, "transfer_gbps": 48},
+            {"strategy": "auto", "direction": "store", "slowdown": 0.3, "transfer_gbps": 30},
         ],
     }
     verdicts = {t.what.split(" (")[0]: (t.measured, t.met) for t in
@@ -89,8 +92,20 @@ def test_transfer_verdicts_follow_the_issue_targets() -> None:
         False,
     )
     assert verdicts[">= 0.85 of the limit at every page size, 4-64 KiB"][1] is False
-    assert verdicts["matmul slowdown <= 25 % while transfers run"] == ("store 25%, load 10%", True)
+    assert verdicts["matmul slowdown <= 25 % while transfers run"] == (
+        "store 25% (50.0 GB/s), load 10% (48.0 GB/s)",
+        True,
+    )
     assert gpu_check.transfer_targets(None, "triton")[0].met is None
+    # The default (auto) is judged on its own rows; no rows, no verdict.
+    [auto] = gpu_check.overlap_targets(data, "auto")
+    assert (auto.what, auto.measured, auto.met) == (
+        "matmul slowdown <= 25 % while transfers run (auto)",
+        "store 30% (30.0 GB/s)",
+        False,
+    )
+    assert gpu_check.overlap_targets(data, "staging") == []
+    assert gpu_check.overlap_targets(None, "auto") == []
 
 
 def test_logits_that_differ_only_where_the_kernels_do_not_repeat_are_explained() -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import pytest
 import torch
 
+from tiering.cli.doctor import run_doctor
 from tiering.testing.copy_strategy_tests import CopyStrategyTests, HybridModel, transfer
 from tiering.transfer import StrategyOptions
 from tiering.transfer.batched_memcpy import find_batched_memcpy
@@ -72,6 +73,13 @@ def test_auto_picks_a_gpu_strategy_and_says_why() -> None:
     assert model.pool.is_pinned
     expected = "triton" if HAS_TRITON else ("batched_memcpy" if HAS_BATCH else "staging")
     assert model.engine.strategy.name == expected, model.engine.strategy.reason
+    # Stores go through the copy engine where there is one (select.py: the SMs stay free).
+    store = "batched_memcpy" if HAS_BATCH else expected
+    assert model.engine.store_strategy.name == store, model.engine.store_strategy.reason
+    checks = {c.name: c for c in run_doctor(None)}
+    assert checks["copy backend"].detail.startswith(f"{expected}: ")
+    if store != expected:
+        assert f"; stores {store}: " in checks["copy backend"].detail
 
 
 def page_of(model: HybridModel, tensor_idx: int, block: int) -> torch.Tensor:

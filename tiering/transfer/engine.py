@@ -39,7 +39,6 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
 
 import torch
 
@@ -55,13 +54,11 @@ from tiering.transfer.plan import (
     TransferResult,
 )
 from tiering.transfer.select import StrategyChoice, StrategyOptions, make_strategy
-from tiering.transfer.strategy import CopyBackend, CopyStrategy
+from tiering.transfer.strategy import CopyBackend, CopyStrategy, Direction
 
 __all__ = ["Direction", "TransferEngine", "TransferHandle"]
 
 logger = logging.getLogger(__name__)
-
-Direction = Literal["store", "load"]
 
 
 class TransferHandle:
@@ -261,9 +258,10 @@ class TransferEngine:
 
     The pool's ``block_bytes`` must equal the caches' offloaded block bytes per rank; this rank
     writes only its part of each row. Null block ids (``null_block_id``) are skipped in
-    sliding-window and Mamba groups. ``copy_backend`` picks the copy strategy (``"auto"``: the
-    fastest that works here; see :mod:`tiering.transfer.select`); ``strategy`` says which one
-    was chosen and why. See the module docstring for streams, threads and completion.
+    sliding-window and Mamba groups. ``copy_backend`` picks the copy strategy (``"auto"``: per
+    direction, see :mod:`tiering.transfer.select`); ``strategy`` (loads) and ``store_strategy``
+    say which ones were chosen and why. See the module docstring for streams, threads and
+    completion.
     """
 
     def __init__(
@@ -279,10 +277,12 @@ class TransferEngine:
     ) -> None:
         geometry = PoolGeometry.of(caches, pool, rank, block_size_factor)
         self._planner = TransferPlanner(geometry, null_block_id=null_block_id)
-        store, choice = make_strategy(geometry, copy_backend, options)
-        load, _ = make_strategy(geometry, choice.name, options)
-        #: The copy strategy in use and why it was chosen.
-        self.strategy: StrategyChoice = choice
+        load, load_choice = make_strategy(geometry, copy_backend, options, direction="load")
+        store, store_choice = make_strategy(geometry, copy_backend, options, direction="store")
+        #: The loads' copy strategy (the one on a request's critical path) and why.
+        self.strategy: StrategyChoice = load_choice
+        #: The stores' copy strategy and why (``"auto"`` may choose another one for stores).
+        self.store_strategy: StrategyChoice = store_choice
         self._lanes: dict[Direction, _Lane] = {
             "store": _Lane("store", store),
             "load": _Lane("load", load),
@@ -357,5 +357,6 @@ class TransferEngine:
     def __repr__(self) -> str:
         return (
             f"TransferEngine({self.geometry.device}, strategy={self.strategy.name!r}, "
+            f"store_strategy={self.store_strategy.name!r}, "
             f"in_flight={self.in_flight}, closed={self._closed})"
         )

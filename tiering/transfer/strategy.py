@@ -15,7 +15,17 @@ import torch
 
 from tiering.transfer.plan import CopyPlan, PoolGeometry
 
-__all__ = ["STRATEGY_NAMES", "CopyBackend", "CopyStrategy", "StrategyName", "flat_byte_view"]
+__all__ = [
+    "STRATEGY_NAMES",
+    "CopyBackend",
+    "CopyStrategy",
+    "Direction",
+    "StrategyName",
+    "flat_byte_view",
+]
+
+#: Stores copy engine blocks into the pool, loads copy pool rows into engine blocks.
+Direction = Literal["store", "load"]
 
 #: The strategies, fastest first where several apply.
 StrategyName = Literal["triton", "batched_memcpy", "staging", "memmove", "torch"]
