@@ -79,7 +79,7 @@ def test_auto_picks_a_gpu_strategy_and_says_why() -> None:
     checks = {c.name: c for c in run_doctor(None)}
     assert checks["copy backend"].detail.startswith(f"{expected}: ")
     if store != expected:
-        assert f"; stores {store}: " in checks["copy backend"].detail
+        assert f" (loads); stores {store}: " in checks["copy backend"].detail
 
 
 def page_of(model: HybridModel, tensor_idx: int, block: int) -> torch.Tensor:

@@ -207,7 +207,7 @@ def _copy_backend_check(config: TieringConfig | None) -> Check:
     detail = f"{choice.name}: {choice.reason}"
     store = machine_choice("store")
     if store.name != choice.name:
-        detail = f"loads {detail}; stores {store.name}: {store.reason}"
+        detail = f"{detail} (loads); stores {store.name}: {store.reason}"
     if config is not None and config.primary.copy_backend != "auto":
         detail = f"{config.primary.copy_backend} (primary.copy_backend); auto would pick {detail}"
     fast = choice.name in ("triton", "memmove")
