@@ -385,7 +385,7 @@ BAD_INPUTS = [
     (
         "version: 1\nprimary: 4GiB\n",
         r"tiering.yaml:2: primary: must be a mapping \(keys capacity, policy, store_threshold, "
-        r"copy_backend\), got str: '4GiB'",
+        r"copy_backend, store_copy_backend\), got str: '4GiB'",
     ),
     (
         "version: 1\nevents:\n  enabled: 'yes'\nprimary:\n  capacity: 1GiB\n",

@@ -171,7 +171,7 @@ def test_the_config_key_chooses_the_strategy_and_doctor_reports_it(tmp_path: Pat
     assert model.engine.strategy.name == "staging"
     checks = {c.name: c for c in run_doctor(config)}
     choice = machine_choice()
-    assert checks["copy backend"].detail.startswith(
+    assert checks["copy backend"].detail == (
         f"staging (primary.copy_backend); auto would pick {choice.name}: {choice.reason}"
     )
     plain = {c.name: c for c in run_doctor(None)}["copy backend"]

@@ -1,18 +1,23 @@
-"""``copy_backend="auto"`` per direction, on CUDA caches with a pinned pool (run anywhere: the
-strategies are stood in for, so the order and the fallbacks are checked without a GPU)."""
+"""``copy_backend="auto"`` on CUDA caches with a pinned pool, and ``store_copy_backend``: run
+anywhere, the strategies stood in for, so the order and the fallbacks are checked without a
+GPU (tests/test_transfer_cuda.py runs the real ones)."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from tiering.errors import ConfigurationError
+from tiering.config import parse_config
+from tiering.errors import ConfigError, ConfigurationError
 from tiering.transfer import select
-from tiering.transfer.strategy import Direction, StrategyName
+from tiering.transfer.strategy import StrategyName
+
+AUTO_ORDER = ("triton", "batched_memcpy")  # the module docstring's order, staging last
 
 
 def fake_geometry(pinned: bool = True) -> Any:
@@ -32,56 +37,49 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch, working: set[str]) -> list[str]:
     return built
 
 
-def choose(direction: Any, backend: Any = "auto", pinned: bool = True) -> select.StrategyChoice:
-    return select.make_strategy(fake_geometry(pinned), backend, direction=direction)[1]
-
-
-def test_auto_loads_with_the_kernel_and_stores_with_the_copy_engine(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    stand_ins(monkeypatch, {"triton", "batched_memcpy", "staging"})
-    load, store = choose("load"), choose("store")
-    assert (load.name, load.reason) == ("triton", "fastest available")
-    assert store.name == "batched_memcpy"
-    assert store.reason == "the copy engine leaves the SMs to the engine's kernels"
+def choose(backend: Any = "auto", pinned: bool = True) -> select.StrategyChoice:
+    return select.make_strategy(fake_geometry(pinned), backend)[1]
 
 
 @pytest.mark.parametrize(
-    ("working", "load", "store"),
+    ("working", "expected"),
     [
-        ({"triton", "staging"}, "triton", "triton"),  # a driver older than CUDA 12.8
-        ({"batched_memcpy", "staging"}, "batched_memcpy", "batched_memcpy"),  # no Triton
-        ({"staging"}, "staging", "staging"),
+        ({"triton", "batched_memcpy", "staging"}, "triton"),
+        ({"batched_memcpy", "staging"}, "batched_memcpy"),  # no Triton
+        ({"triton", "staging"}, "triton"),  # a driver older than CUDA 12.8
+        ({"staging"}, "staging"),
     ],
 )
-def test_auto_falls_back_in_each_direction_and_says_what_it_skipped(
-    monkeypatch: pytest.MonkeyPatch, working: set[str], load: str, store: str
+def test_auto_takes_the_fastest_that_works_and_says_what_it_skipped(
+    monkeypatch: pytest.MonkeyPatch, working: set[str], expected: str
 ) -> None:
     stand_ins(monkeypatch, working)
-    directions: tuple[tuple[Direction, str], ...] = (("load", load), ("store", store))
-    for direction, expected in directions:
-        choice = choose(direction)
-        assert choice.name == expected
-        order = select._AUTO_ORDER[direction]
-        skipped_names = list(itertools.takewhile(lambda n: n not in working, order))
-        for name in skipped_names:
-            assert f"{name}: {name} cannot work here" in choice.reason
-        assert choice.reason.startswith("fastest available (") == bool(skipped_names)
+    choice = choose()
+    assert choice.name == expected
+    skipped = list(itertools.takewhile(lambda n: n not in working, AUTO_ORDER))
+    assert choice.reason.startswith("fastest available")
+    for name in skipped:
+        assert f"{name}: {name} cannot work here" in choice.reason
 
 
-def test_a_named_strategy_or_an_unpinned_pool_is_the_same_in_both_directions(
+def test_a_name_is_taken_as_asked_and_an_unpinned_pool_gets_staging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stand_ins(monkeypatch, {"triton", "batched_memcpy", "staging"})
-    for direction in ("load", "store"):
-        assert choose(direction, "triton") == select.StrategyChoice("triton", "requested")
-        assert choose(direction, pinned=False).name == "staging"
+    assert choose("batched_memcpy") == select.StrategyChoice("batched_memcpy", "requested")
+    assert choose(pinned=False).name == "staging"
 
 
-def test_a_bad_direction_is_refused_naming_the_valid_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    built = stand_ins(monkeypatch, {"triton", "batched_memcpy", "staging"})
-    with pytest.raises(ConfigurationError, match=r"'store' or 'load', got 'sideways'"):
-        choose("sideways")
-    assert built == []
+def parse(tmp_path: Path, primary: dict[str, Any]) -> Any:
+    return parse_config(
+        {"version": 1, "primary": {"capacity": "1MiB", **primary}},
+        source=str(tmp_path / "t.yaml"),
+    )
+
+
+def test_store_copy_backend_is_read_from_the_config(tmp_path: Path) -> None:
+    assert parse(tmp_path, {}).primary.store_copy_backend == "same"
+    config = parse(tmp_path, {"store_copy_backend": "batched_memcpy"})
+    assert config.primary.store_copy_backend == "batched_memcpy"
+    with pytest.raises(ConfigError, match=r"store_copy_backend.*'same'.*'batched_memcpy'"):
+        parse(tmp_path, {"store_copy_backend": "auto"})

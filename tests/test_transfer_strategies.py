@@ -21,6 +21,13 @@ class TestMemmove(CopyStrategyTests):
     copy_backend = "memmove"
 
 
+class TestMemmoveLoadsTorchStores(CopyStrategyTests):
+    """Stores by one strategy, loads by another: every byte still round-trips."""
+
+    copy_backend = "memmove"
+    store_copy_backend = "torch"
+
+
 class TestTorchCopy(CopyStrategyTests):
     copy_backend = "torch"
 

@@ -203,11 +203,8 @@ def _tier_checks(config: TieringConfig) -> list[Check]:
 
 def _copy_backend_check(config: TieringConfig | None) -> Check:
     """Which GPU <-> CPU copy strategy CUDA KV caches get here (tiering.transfer), and why."""
-    choice = machine_choice("load")
+    choice = machine_choice()
     detail = f"{choice.name}: {choice.reason}"
-    store = machine_choice("store")
-    if store.name != choice.name:
-        detail = f"{detail} (loads); stores {store.name}: {store.reason}"
     if config is not None and config.primary.copy_backend != "auto":
         detail = f"{config.primary.copy_backend} (primary.copy_backend); auto would pick {detail}"
     fast = choice.name in ("triton", "memmove")

@@ -66,6 +66,8 @@ SCALES = ("tiny", "demo", "large")
 #: :data:`tiering.transfer.CopyBackend` (a test checks it), written out so that reading a config
 #: imports no transfer code (and so no torch).
 CopyBackend = Literal["auto", "triton", "batched_memcpy", "staging", "memmove", "torch"]
+#: ``primary.store_copy_backend``: ``"same"`` (as ``copy_backend``) or a strategy for stores.
+StoreCopyBackend = Literal["same", "triton", "batched_memcpy", "staging", "memmove", "torch"]
 
 
 class ConfigWarning(UserWarning):
@@ -163,6 +165,13 @@ class PrimaryConfig:
     copy_backend: CopyBackend = field(
         default="auto",
         metadata={"doc": "how workers copy KV blocks to and from the pool (tiering.transfer)"},
+    )
+    store_copy_backend: StoreCopyBackend = field(
+        default="same",
+        metadata={
+            "doc": "another strategy for stores only; batched_memcpy (the GPU's copy engine) "
+            "leaves the SMs to the engine's kernels (docs/gpu-check.md)"
+        },
     )
 
 

@@ -147,7 +147,13 @@ def run_replay(
     transfers: TransferEngine | None = None
     try:
         manager.wait_ready()
-        transfers = TransferEngine(caches, pool, copy_backend=config.primary.copy_backend)
+        store_backend = config.primary.store_copy_backend
+        transfers = TransferEngine(
+            caches,
+            pool,
+            copy_backend=config.primary.copy_backend,
+            store_copy_backend=None if store_backend == "same" else store_backend,
+        )
         # What the tiers recovered from an earlier run: the numbers depend on it.
         at_start = {tier.medium: len(tier) for tier in manager.tiers}
         engine = SimulatedEngine(
@@ -190,6 +196,7 @@ def run_replay(
         report["verify_failures"] = engine.verify_failures
         report["device"] = str(device)
         report["copy_strategy"] = transfers.strategy.name
+        report["store_copy_strategy"] = transfers.store_strategy.name
         return report
     finally:
         if transfers is not None:

@@ -180,6 +180,7 @@ class HybridModel:
         device: str = "cpu",
         copy_backend: CopyBackend = "auto",
         options: StrategyOptions | None = None,
+        store_copy_backend: CopyBackend | None = None,
     ) -> None:
         self.spec = make_hybrid_spec(factor)
         self.kv = make_hybrid_kv(seed, zero, device)
@@ -188,7 +189,12 @@ class HybridModel:
             NUM_SLOTS, self.caches.offloaded_block_bytes_per_rank(), pin_memory=device != "cpu"
         )
         self.engine = TransferEngine(
-            self.caches, self.pool, rank=rank, copy_backend=copy_backend, options=options
+            self.caches,
+            self.pool,
+            rank=rank,
+            copy_backend=copy_backend,
+            options=options,
+            store_copy_backend=store_copy_backend,
         )
 
     def store(self, job: PoolTransfer) -> TransferResult:
@@ -215,6 +221,8 @@ class CopyStrategyTests:
     copy_backend: ClassVar[CopyBackend]
     device: ClassVar[str] = "cpu"
     options: ClassVar[StrategyOptions | None] = None
+    #: Another strategy for stores (the engine's ``store_copy_backend``); None: the same.
+    store_copy_backend: ClassVar[CopyBackend | None] = None
 
     def model(self, seed: int, pool: CPUBlockPool | None = None, **kwargs: object) -> HybridModel:
         return HybridModel(
@@ -223,11 +231,18 @@ class CopyStrategyTests:
             device=self.device,
             copy_backend=self.copy_backend,
             options=self.options,
+            store_copy_backend=self.store_copy_backend,
             **kwargs,  # type: ignore[arg-type]
         )
 
     def engine(self, caches: CanonicalKVCaches, pool: CPUBlockPool) -> TransferEngine:
-        return TransferEngine(caches, pool, copy_backend=self.copy_backend, options=self.options)
+        return TransferEngine(
+            caches,
+            pool,
+            copy_backend=self.copy_backend,
+            options=self.options,
+            store_copy_backend=self.store_copy_backend,
+        )
 
     def pool(self, num_slots: int, block_bytes: int, world_size: int = 1) -> CPUBlockPool:
         return CPUBlockPool(
@@ -237,6 +252,8 @@ class CopyStrategyTests:
     def test_the_engine_uses_the_strategy(self) -> None:
         model = self.model(0)
         assert model.engine.strategy.name == self.copy_backend
+        store = self.store_copy_backend or self.copy_backend
+        assert model.engine.store_strategy.name == store
 
     @pytest.mark.parametrize("factor", [1, 2])
     def test_round_trip_is_bit_exact_for_every_group(self, factor: int) -> None:

@@ -258,10 +258,12 @@ class TransferEngine:
 
     The pool's ``block_bytes`` must equal the caches' offloaded block bytes per rank; this rank
     writes only its part of each row. Null block ids (``null_block_id``) are skipped in
-    sliding-window and Mamba groups. ``copy_backend`` picks the copy strategy (``"auto"``: per
-    direction, see :mod:`tiering.transfer.select`); ``strategy`` (loads) and ``store_strategy``
-    say which ones were chosen and why. See the module docstring for streams, threads and
-    completion.
+    sliding-window and Mamba groups. ``copy_backend`` picks the copy strategy (``"auto"``: the
+    fastest that works here; see :mod:`tiering.transfer.select`); ``store_copy_backend``, when
+    given, picks another one for stores: ``"batched_memcpy"`` (the GPU's copy engine) leaves
+    the SMs to the engine's kernels, at the price of store bandwidth and of a longer submit
+    (H100 figures in docs/gpu-check.md). ``strategy`` (loads) and ``store_strategy`` say which
+    were chosen and why. See the module docstring for streams, threads and completion.
     """
 
     def __init__(
@@ -274,14 +276,20 @@ class TransferEngine:
         null_block_id: int = NULL_BLOCK_ID,
         copy_backend: CopyBackend = "auto",
         options: StrategyOptions | None = None,
+        store_copy_backend: CopyBackend | None = None,
     ) -> None:
         geometry = PoolGeometry.of(caches, pool, rank, block_size_factor)
         self._planner = TransferPlanner(geometry, null_block_id=null_block_id)
-        load, load_choice = make_strategy(geometry, copy_backend, options, direction="load")
-        store, store_choice = make_strategy(geometry, copy_backend, options, direction="store")
-        #: The loads' copy strategy (the one on a request's critical path) and why.
+        load, load_choice = make_strategy(geometry, copy_backend, options)
+        if store_copy_backend is None or store_copy_backend == copy_backend:
+            store, _ = make_strategy(geometry, load_choice.name, options)
+            store_choice = load_choice
+        else:
+            store, store_choice = make_strategy(geometry, store_copy_backend, options)
+        #: The copy strategy of loads (and of stores unless ``store_copy_backend`` names
+        #: another) and why it was chosen.
         self.strategy: StrategyChoice = load_choice
-        #: The stores' copy strategy and why (``"auto"`` may choose another one for stores).
+        #: The stores' copy strategy and why.
         self.store_strategy: StrategyChoice = store_choice
         self._lanes: dict[Direction, _Lane] = {
             "store": _Lane("store", store),

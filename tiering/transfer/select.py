@@ -1,24 +1,15 @@
 """Choosing a copy strategy at run time: ``copy_backend="auto"`` or a name.
 
-``"auto"`` picks, per direction, the strategy that works for the registered caches and the
-pool and costs the engine least:
+``"auto"`` picks the fastest strategy that works for the registered caches and the pool:
 
 * CPU caches: ``memmove``;
-* CUDA caches with a pinned pool, **loads** (a request waits for them): the fastest, ``triton``
-  if Triton imports and its kernel compiles here, else ``batched_memcpy`` if the driver has
-  ``cuMemcpyBatchAsync`` (CUDA >= 12.8), else ``staging``;
-* CUDA caches with a pinned pool, **stores** (no request waits for them): the copy engine,
-  ``batched_memcpy``, else ``triton``, else ``staging``. The kernel's SM stores into pinned
-  host memory slow the engine's own kernels running beside them: on an H100 a bf16 GEMM ran
-  59-85 % slower while the kernel stored 2 MiB blocks and 10-22 % slower while it loaded,
-  against no measurable slowdown under the copy engine (docs/gpu-check.md). The copy engine
-  stores at about half the kernel's rate (0.5 of the PCIe limit against 0.85), several times
-  the rate a prefill makes KV (an 8B model: about 3.5 GB/s);
+* CUDA caches with a pinned pool: ``triton`` if Triton imports and its kernel compiles here,
+  else ``batched_memcpy`` if the driver has ``cuMemcpyBatchAsync`` (CUDA >= 12.8), else
+  ``staging``;
 * CUDA caches with an unpinned pool: ``staging`` (the other two need pinned memory).
 
-A name forces that strategy in both directions, and is a :class:`ConfigurationError` (saying
-why) where it cannot work. ``torch`` (one ``Tensor.copy_`` per run) is only ever used when
-named.
+A name forces that strategy, and is a :class:`ConfigurationError` (saying why) where it cannot
+work. ``torch`` (one ``Tensor.copy_`` per run) is only ever used when named.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from tiering.transfer.batched_memcpy import BatchedMemcpy, find_batched_memcpy
 from tiering.transfer.per_run import MemmoveCopy, TorchCopy
 from tiering.transfer.plan import PoolGeometry
 from tiering.transfer.staging import DEFAULT_STAGING_BYTES, StagingCopy
-from tiering.transfer.strategy import CopyBackend, CopyStrategy, Direction, StrategyName
+from tiering.transfer.strategy import CopyBackend, CopyStrategy, StrategyName
 from tiering.transfer.triton_copy import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_PROGRAMS,
@@ -70,25 +61,12 @@ class StrategyChoice:
     reason: str
 
 
-#: ``"auto"``'s order for CUDA caches with a pinned pool, per direction (module docstring).
-_AUTO_ORDER: dict[Direction, tuple[StrategyName, StrategyName]] = {
-    "load": ("triton", "batched_memcpy"),
-    "store": ("batched_memcpy", "triton"),
-}
-_WHY = {
-    "load": "fastest available",
-    "store": "the copy engine leaves the SMs to the engine's kernels",
-}
-
-
 def make_strategy(
     geometry: PoolGeometry,
     copy_backend: CopyBackend = "auto",
     options: StrategyOptions | None = None,
-    direction: Direction = "load",
 ) -> tuple[CopyStrategy, StrategyChoice]:
-    """A strategy for ``direction`` on ``geometry`` and why; see the module docstring for
-    ``"auto"``."""
+    """A strategy for ``geometry`` and why; see the module docstring for ``"auto"``."""
     options = options or StrategyOptions()
     if copy_backend not in COPY_BACKENDS:
         raise ConfigurationError(
@@ -107,23 +85,19 @@ def make_strategy(
     if not geometry.pool.is_pinned:
         reason = "the pool is not pinned (triton and batched_memcpy need pinned rows)"
         return _build("staging", geometry, options), StrategyChoice("staging", reason)
-    if direction not in _AUTO_ORDER:
-        raise ConfigurationError(f"direction must be 'store' or 'load', got {direction!r}")
     skipped = []
-    for name in _AUTO_ORDER[direction]:
+    for name in ("triton", "batched_memcpy"):
         try:
             strategy = _build(name, geometry, options)
         except TieringError as exc:
             skipped.append(f"{name}: {exc}")
             continue
-        return strategy, StrategyChoice(name, _reason(direction, skipped))
-    why = _reason(direction, skipped)
-    return _build("staging", geometry, options), StrategyChoice("staging", why)
+        return strategy, StrategyChoice(name, _fastest(skipped))
+    return _build("staging", geometry, options), StrategyChoice("staging", _fastest(skipped))
 
 
-def _reason(direction: Direction, skipped: list[str]) -> str:
-    why = _WHY[direction] if not skipped else "fastest available"
-    return why + (f" ({'; '.join(skipped)})" if skipped else "")
+def _fastest(skipped: list[str]) -> str:
+    return "fastest available" + (f" ({'; '.join(skipped)})" if skipped else "")
 
 
 def _build(name: StrategyName, geometry: PoolGeometry, options: StrategyOptions) -> CopyStrategy:
@@ -149,9 +123,8 @@ def _build(name: StrategyName, geometry: PoolGeometry, options: StrategyOptions)
     return TorchCopy(geometry)
 
 
-def machine_choice(direction: Direction = "load") -> StrategyChoice:
-    """What ``"auto"`` gives ``direction`` of CUDA KV caches with a pinned pool on this
-    machine, and why.
+def machine_choice() -> StrategyChoice:
+    """What ``"auto"`` gives CUDA KV caches with a pinned pool on this machine, and why.
 
     For ``tiering doctor``: nothing is allocated and Triton is neither imported nor compiled,
     so a Triton that cannot compile here is only found when an engine starts (which then falls
@@ -163,11 +136,9 @@ def machine_choice(direction: Direction = "load") -> StrategyChoice:
         )
     device = torch.cuda.get_device_name()
     version = triton_version()
-    batched = find_batched_memcpy()
-    if direction == "store" and batched.function is not None:
-        return StrategyChoice("batched_memcpy", f"{batched.reason} on {device}: {_WHY['store']}")
     if version is not None:
         return StrategyChoice("triton", f"Triton {version} page-copy kernel on {device}")
+    batched = find_batched_memcpy()
     if batched.function is not None:
         return StrategyChoice("batched_memcpy", f"{batched.reason} on {device}; no Triton")
     return StrategyChoice(
