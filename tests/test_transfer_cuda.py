@@ -143,6 +143,9 @@ def test_make_stream_wait_orders_compute_after_a_load_without_a_host_wait(
 def test_loads_do_not_queue_behind_stores_on_the_gpu(copy_backend: str) -> None:
     model = HybridModel(4, device="cuda", copy_backend=copy_backend)  # type: ignore[arg-type]
     model.store(JOB)
+    # Warm the load path too: a strategy's first load in a process (lazy CUDA module loading)
+    # can outlast the sleep below; run alone, [staging] failed that way on an H100.
+    model.load(JOB)
     torch.cuda.synchronize()
     store_stream = model.engine._lanes["store"]._stream
     assert store_stream is not None
