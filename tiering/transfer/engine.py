@@ -15,6 +15,12 @@ Where copies run
   blocks, and a load's copies only after the compute queued there is done with the blocks it
   overwrites. Completion is a CUDA event recorded after the copies; ``poll()`` queries events.
   Submit never waits on the host and the engine never calls ``torch.cuda.synchronize()``.
+  A load's copies are enqueued on the calling thread (a request waits for them: nothing may
+  come between). A store's are enqueued on the store lane's thread, after an event recorded
+  on the caller's stream at submit, so the caller is held only for validating and planning
+  the job: enqueueing 256 blocks costs 1-2 ms with the Triton kernel and 14 ms with
+  ``cuMemcpyBatchAsync`` on an H100 (docs/gpu-check.md), none of which a store should take
+  from the engine's step.
 * CPU caches: stores and loads each have one worker thread, in submission order; the copy
   (``memmove``, which releases the GIL) runs there, so the caller is not held for the length
   of a copy. Handles behave the same way on both.
@@ -82,6 +88,7 @@ class TransferHandle:
         future: Future[float] | None = None,
         keepalive: object = None,
         error: BaseException | None = None,
+        enqueued: Future[tuple[object, BaseException | None]] | None = None,
     ) -> None:
         self.job_id = job_id
         self.direction: Direction = direction
@@ -94,6 +101,7 @@ class TransferHandle:
         self._device = device
         self._future = future
         self._keepalive = keepalive  # tables and buffers the queued copies still read
+        self._enqueued = enqueued  # a CUDA store being enqueued on its lane's thread
         self._reported = False
 
     @property
@@ -117,12 +125,32 @@ class TransferHandle:
                 f"job {self.job_id} copies CPU caches on a thread: it has no CUDA event to wait "
                 "on; use the engine's poll() or wait()"
             )
+        # A store enqueued on its lane's thread: its event means something once recorded (an
+        # event never recorded is complete at once). Loads are enqueued at submit.
+        self._take_enqueued(block=True)
         (stream or torch.cuda.current_stream(self._device)).wait_event(self._end)
+
+    def _take_enqueued(self, block: bool) -> bool:
+        """Whether the copies are enqueued (taking the lane thread's outcome once)."""
+        enqueued = self._enqueued
+        if enqueued is None:
+            return True
+        if not block and not enqueued.done():
+            return False
+        try:
+            self._keepalive, error = enqueued.result()
+        except Exception as exc:  # the thread could not even record the events
+            self._keepalive, error = None, exc
+        self.error = self.error or error
+        self._enqueued = None
+        return True
 
     def _query(self) -> bool:
         """Whether the copy has finished; records the outcome once. Never waits."""
         if self.done:
             return True
+        if not self._take_enqueued(block=False):
+            return False
         try:
             if self._future is not None:
                 if not self._future.done():
@@ -138,6 +166,7 @@ class TransferHandle:
     def _wait(self) -> None:
         if self.done:
             return
+        self._take_enqueued(block=True)
         try:
             if self._future is not None:
                 self._future.exception()
@@ -183,40 +212,66 @@ class _Lane:
         self._executor: ThreadPoolExecutor | None = None
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
-        else:
+        if device.type != "cuda" or direction == "store":  # see the module docstring
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tiering-{direction}")
 
     def submit(self, job_id: int, plan: CopyPlan) -> TransferHandle:
-        if self._executor is not None:
+        if self._stream is None:
+            assert self._executor is not None
             future = self._executor.submit(_timed_copy, self.strategy, plan)
             handle = TransferHandle(job_id, self.direction, plan.result, future=future)
+            self.handles.append(handle)
+            return handle
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        caller = torch.cuda.current_stream(self._device)
+        keepalive: object = None
+        error: BaseException | None = None
+        enqueued = None
+        if self._executor is None:
+            self._stream.wait_stream(caller)
+            keepalive, error = self._enqueue(plan, start, end)
         else:
-            assert self._stream is not None
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream(self._device))
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            keepalive: object = None
-            error: BaseException | None = None
-            with torch.cuda.stream(stream):
-                start.record(stream)
-                try:
-                    keepalive = self.strategy.copy(plan)
-                except Exception as exc:  # the event still orders what follows on the stream
-                    error = exc
-                end.record(stream)
-            handle = TransferHandle(
-                job_id,
-                self.direction,
-                plan.result,
-                start=start,
-                end=end,
-                device=self._device,
-                keepalive=keepalive,
-                error=error,
-            )
+            ready = torch.cuda.Event()
+            ready.record(caller)  # what the caller queued before submitting comes first
+            enqueued = self._executor.submit(self._enqueue, plan, start, end, ready)
+        handle = TransferHandle(
+            job_id,
+            self.direction,
+            plan.result,
+            start=start,
+            end=end,
+            device=self._device,
+            keepalive=keepalive,
+            error=error,
+            enqueued=enqueued,
+        )
         self.handles.append(handle)
         return handle
+
+    def _enqueue(
+        self,
+        plan: CopyPlan,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        ready: torch.cuda.Event | None = None,
+    ) -> tuple[object, BaseException | None]:
+        """Queue the copies on the lane's stream between ``start`` and ``end``: what the
+        strategy keeps alive, and the error it raised (the events still order the stream)."""
+        stream = self._stream
+        assert stream is not None
+        keepalive: object = None
+        error: BaseException | None = None
+        with torch.cuda.device(self._device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            start.record(stream)
+            try:
+                keepalive = self.strategy.copy(plan)
+            except Exception as exc:
+                error = exc
+            end.record(stream)
+        return keepalive, error
 
     def finished(self) -> list[TransferHandle]:
         """Handles finished since the last call, in order; never waits."""
