@@ -316,8 +316,8 @@ class TransferEngine:
     sliding-window and Mamba groups. ``copy_backend`` picks the copy strategy (``"auto"``: the
     fastest that works here; see :mod:`tiering.transfer.select`); ``store_copy_backend``, when
     given, picks another one for stores: ``"batched_memcpy"`` (the GPU's copy engine) leaves
-    the SMs to the engine's kernels, at the price of store bandwidth and of a longer submit
-    (H100 figures in docs/gpu-check.md). ``strategy`` (loads) and ``store_strategy`` say which
+    the SMs to the engine's kernels, at the price of store bandwidth and of a longer enqueue
+    on the store lane's thread (H100 figures in docs/gpu-check.md). ``strategy`` (loads) and ``store_strategy`` say which
     were chosen and why. See the module docstring for streams, threads and completion.
     """
 
