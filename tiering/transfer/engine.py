@@ -317,8 +317,9 @@ class TransferEngine:
     fastest that works here; see :mod:`tiering.transfer.select`); ``store_copy_backend``, when
     given, picks another one for stores: ``"batched_memcpy"`` (the GPU's copy engine) leaves
     the SMs to the engine's kernels, at the price of store bandwidth and of a longer enqueue
-    on the store lane's thread (H100 figures in docs/gpu-check.md). ``strategy`` (loads) and ``store_strategy`` say which
-    were chosen and why. See the module docstring for streams, threads and completion.
+    on the store lane's thread (H100 figures in docs/gpu-check.md). ``strategy`` (loads) and
+    ``store_strategy`` say which were chosen and why. See the module docstring for streams,
+    threads and completion.
     """
 
     def __init__(
