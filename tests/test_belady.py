@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -12,8 +13,16 @@ from hypothesis import strategies as st
 
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigurationError
-from tiering.policies import ARCPolicy, LRUPolicy
-from tiering.replay.belady import REFERENCE_POLICIES, Stats, belady_hits, lru_hits, simulate
+from tiering.policies import ARCPolicy, LRUPolicy, available_policies, get_policy_class
+from tiering.replay.belady import (
+    REFERENCE_POLICIES,
+    Stats,
+    belady_hits,
+    belady_request_hits,
+    lru_hits,
+    simulate,
+)
+from tiering.replay.study import simulate_cpu
 from tiering.replay.traces import builtin_trace, hash_requests
 
 FAST = settings(max_examples=150, deadline=None)
@@ -282,3 +291,87 @@ def test_lru_and_min_match_libcachesim_on_a_chat_trace() -> None:
         assert simulate("lru", key_lists, capacity).block_hits == expected["lru"]
         assert simulate("belady", key_lists, capacity).block_hits == expected["belady"]
         assert expected["belady"] > expected["lru"]
+
+
+# -- requests looked up whole (the study's model) ------------------------------------------------
+
+
+def brute_force_request_optimum(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """Most block hits of any eviction choices when each request is looked up whole, then its
+    misses are inserted in order (each insert may evict any held key): exhaustive search."""
+
+    @functools.cache
+    def best(r: int, cache: frozenset[int]) -> int:
+        if r == len(requests):
+            return 0
+        keys = requests[r]
+        hits = sum(1 for k in keys if k in cache)
+        states = {cache}
+        for key in (k for k in keys if k not in cache):
+            following: set[frozenset[int]] = set()
+            for state in states:
+                if len(state) < capacity:
+                    following.add(state | {key})
+                else:
+                    following.update((state - {victim}) | {key} for victim in state)
+            states = following
+        return hits + max(best(r + 1, state) for state in states)
+
+    return best(0, frozenset())
+
+
+small_requests = st.lists(
+    st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True), max_size=5
+)
+
+
+def test_whole_request_lookups_let_a_policy_beat_flat_min() -> None:
+    # Capacity 1: LRU keeps b from the first request and hits it in the second; MIN on the
+    # flattened accesses a b a b c hits nothing. The request model's MIN hits b as well.
+    requests = [[1, 2], [1, 2, 3]]
+    keys = [[k.to_bytes(1, "little") for k in r] for r in requests]
+    assert sum(simulate_cpu(LRUPolicy(1), keys).flags) == 1
+    assert belady_hits([k for r in requests for k in r], 1) == 0
+    assert belady_request_hits(requests, 1) == 1
+
+
+def brute_force_free_choice_optimum(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """Most block hits when, after each request, the cache may keep any ``capacity`` of the
+    blocks held and the request's own (the model belady_request_hits solves)."""
+
+    @functools.cache
+    def best(r: int, cache: frozenset[int]) -> int:
+        if r == len(requests):
+            return 0
+        hits = sum(1 for k in requests[r] if k in cache)
+        pool = sorted(cache | set(requests[r]))
+        keep = min(capacity, len(pool))
+        return hits + max(
+            best(r + 1, frozenset(choice)) for choice in itertools.combinations(pool, keep)
+        )
+
+    return best(0, frozenset())
+
+
+@FAST
+@given(requests=small_requests, capacity=st.integers(1, 3))
+def test_request_min_is_optimal_for_its_model_and_bounds_the_managers(
+    requests: list[list[int]], capacity: int
+) -> None:
+    bound = belady_request_hits(requests, capacity)
+    assert bound == brute_force_free_choice_optimum(requests, capacity)
+    assert bound >= brute_force_request_optimum(requests, capacity)
+    assert bound >= belady_hits([k for r in requests for k in r], capacity)
+
+
+@FAST
+@given(requests=requests_strategy, capacity=st.integers(0, 16))
+def test_request_min_bounds_every_registered_policy_in_the_study(
+    requests: list[list[int]], capacity: int
+) -> None:
+    keys = [[k.to_bytes(2, "little") for k in r] for r in requests]
+    bound = belady_request_hits(requests, capacity)
+    assert bound <= sum(map(len, requests)) - len({k for r in requests for k in r})
+    for name in available_policies():
+        flags = simulate_cpu(get_policy_class(name)(capacity), keys).flags if capacity else b""
+        assert sum(flags) <= bound, name

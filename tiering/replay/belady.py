@@ -17,6 +17,19 @@ Belady's MIN
     keyed by next use with lazy invalidation (an entry is stale once its next use has passed;
     the heap is compacted when stale entries outnumber live ones), so a run is O(n log n).
 
+Requests looked up whole
+    The manager (and :mod:`tiering.replay.study`, which drives policies as it does) looks a
+    request's blocks up before it stores the missing ones, so a block the request stores
+    cannot evict a block the same request then hits. With a cache smaller than a request that
+    lets a policy beat MIN on the flattened accesses (capacity 1, requests ``[a, b]`` then
+    ``[a, b, c]``: LRU keeps ``b`` and hits it, MIN on ``a b a b c`` hits nothing).
+    :func:`belady_request_hits` bounds that model: a request hits the blocks held when it
+    arrives; then, of the blocks held and the request's own, the cache keeps the ``capacity``
+    blocks that a later request asks for soonest. Any policy's cache after a request is one of
+    those choices (it may keep fewer of the request's blocks, never others), so by MIN's
+    exchange argument no policy has more block hits; nor does MIN on the flattened accesses.
+    On the realistic traces at 1-20 % of their unique blocks both give the same figures.
+
 Prefix hits
     A request reads its blocks in prefix order, and a KV block is useless after the first
     missing block before it (the engine must recompute from there). For request-structured
@@ -43,6 +56,7 @@ __all__ = [
     "PolicyFactory",
     "Stats",
     "belady_hits",
+    "belady_request_hits",
     "lru_hits",
     "simulate",
 ]
@@ -223,6 +237,50 @@ def _belady_hit_flags(accesses: Sequence[Hashable], capacity: int, bypass: bool)
                 held.remove(pop(heap)[1])
             held.add(key)
         push(heap, (-use, key))
+    return flags
+
+
+def belady_request_hits(key_lists: Sequence[Sequence[Hashable]], capacity: int) -> int:
+    """MIN's block hits when each request is looked up whole before its misses are stored
+    (see the module docstring)."""
+    _check_capacity(capacity)
+    return sum(_belady_request_hit_flags(key_lists, capacity))
+
+
+def _belady_request_hit_flags(key_lists: Sequence[Sequence[Hashable]], capacity: int) -> bytearray:
+    flat = [key for keys in key_lists for key in keys]
+    n = len(flat)
+    flags = bytearray(n)
+    if capacity == 0:
+        return flags
+    next_use = _next_uses(flat)
+    request_of = [r for r, keys in enumerate(key_lists) for _ in keys]
+    never = len(key_lists)  # beyond every request: "never again", distinct by position below
+    held: set[Hashable] = set()
+    # Entries (-next request using the key, -next position, key): the position breaks ties,
+    # so keys are never compared. A key's entry is live iff its next request lies after the current
+    # one; every held key has exactly one live entry (pushed at its last access).
+    heap: list[tuple[int, int, Hashable]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    start = 0
+    for r, keys in enumerate(key_lists):
+        end = start + len(keys)
+        if len(heap) > _MIN_HEAP_TO_COMPACT and len(heap) > 2 * len(held):
+            heap = [entry for entry in heap if -entry[0] >= r]
+            heapq.heapify(heap)
+        for i in range(start, end):  # the request finds the cache as the last one left it
+            if flat[i] in held:
+                flags[i] = 1
+        for i in range(start, end):
+            j = next_use[i]
+            held.add(flat[i])
+            # Ties (one later request): the deeper block goes first, as a prefix wants.
+            push(heap, (-(request_of[j] if j < n else never + i), -j, flat[i]))
+        while len(held) > capacity:  # keep the blocks asked for soonest
+            entry = pop(heap)
+            if -entry[0] > r:
+                held.remove(entry[2])
+        start = end
     return flags
 
 

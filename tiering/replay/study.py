@@ -12,8 +12,9 @@ the requests' block keys in prefix order:
    fails), then ``insert_new(missing)`` in prefix order. A request with more missing keys than
    the tier holds stores them in chunks of the capacity, as demand paging would.
 
-Belady's MIN runs on the same accesses flattened (:mod:`tiering.replay.belady`): it bounds
-every policy's block hits (not their prefix hits).
+Belady's MIN runs on the same requests, each looked up whole before its misses are stored
+(:func:`tiering.replay.belady.belady_request_hits`): it bounds every policy's block hits here
+(not their prefix hits), whatever the capacity.
 
 Secondary tiers. With a config, each secondary tier is modelled with its own policy, capacity
 (its byte budget over the study's block bytes) and write policy: a CPU miss is looked up in
@@ -38,7 +39,7 @@ from tiering.errors import TieringError
 from tiering.policies import get_policy_class
 from tiering.policies.admission import FrequencyGate, default_width
 from tiering.policies.base import EvictionPolicy
-from tiering.replay.belady import _belady_hit_flags
+from tiering.replay.belady import _belady_request_hit_flags
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
 from tiering.replay.progress import ProgressBar
 
@@ -237,7 +238,6 @@ def run_study(
     """One row per (capacity, policy), Belady last per capacity (see the module docstring)."""
     key_lists = trace.key_lists
     accesses = trace.block_accesses
-    flat: list[bytes] = [k for keys in key_lists for k in keys] if belady else []
     names = [*policies, *(["belady"] if belady else [])]
     record_victims = any(t.write_policy == "write_back" for t in tiers)
     prompt_tokens = sum(trace.input_tokens)
@@ -246,7 +246,7 @@ def run_study(
         for capacity in capacities:
             for name in names:
                 if name == "belady":
-                    cpu = _CpuRun(_belady_hit_flags(flat, capacity, False))
+                    cpu = _CpuRun(_belady_request_hit_flags(key_lists, capacity))
                 else:
                     policy = get_policy_class(name)(capacity)
                     cpu = simulate_cpu(policy, key_lists, record_victims=record_victims)
