@@ -4,6 +4,7 @@ admission gate."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,21 @@ def test_generated_conversations_carry_the_previous_turn() -> None:
     assert extended > 0
     summary = block_summary(requests)
     assert 0.2 < summary["reuse_ratio"] < 0.8
+
+
+def test_generated_conversations_that_went_on_are_likelier_to_go_on() -> None:
+    # Each conversation draws its own chance of another turn (Beta(0.6, 1.6)): a conversation
+    # at its third turn is likelier to have a fourth than a first turn is to have a second. With
+    # one chance for all (geometric turns) the two shares are equal.
+    requests = workload_trace("conversation", "demo", seed=0)
+    turns = Counter(r.request_id.split("-s")[0] for r in requests)
+    sessions = len(turns)
+    at_least = [sum(1 for n in turns.values() if n >= k) for k in range(5)]
+    second = at_least[2] / at_least[1]
+    fourth = at_least[4] / at_least[3]
+    assert 0.2 < second < 0.35  # 73 % single-turn in the model; the hour's end cuts some
+    assert fourth > second + 0.25
+    assert 1.6 < len(requests) / sessions < 1.8
 
 
 def test_generated_trace_names_are_checked() -> None:
