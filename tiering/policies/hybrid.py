@@ -7,7 +7,7 @@ Why. Production traffic (:mod:`tiering.replay.workloads`) mixes blocks that come
 (one-off long documents). LRU gives a flood the whole cache; ARC shields reused blocks but
 treats recency within its two lists strictly by list: once its target for new blocks is met it
 evicts reused blocks however recent they are and however stale the new ones, and on
-conversation-heavy traffic it trails LRU at every size above 1 % of the unique blocks.
+conversation-heavy traffic it trails LRU at 10-20 % of the unique blocks.
 
 Decisions (T1: blocks not reused since they were stored; T2: reused blocks; B1, B2: their
 ghosts, keys only, trimmed as ARC trims them):
