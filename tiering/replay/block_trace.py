@@ -25,10 +25,24 @@ UTF-8, one JSON object per line, blank lines skipped::
     tokens. tiering chains ids along each prompt (a block's key names its whole prefix, as an
     engine's prefix hashes do), so ids need not be unique across prefixes.
 
-Other fields (``session_id``, ``delay`` of other tools) are ignored. A file is Mooncake JSONL
+Other fields (``session_id``, ``delay`` of other tools) are ignored. A file is a block trace
 when its first non-blank line has ``hash_ids``; otherwise it is tiering's own JSONL
-(:mod:`tiering.replay.traces`). :func:`read_mooncake` raises :class:`TraceError` naming the
-file, the line and the field of the first bad line.
+(:mod:`tiering.replay.traces`). :func:`read_block_trace` raises :class:`TraceError` naming the
+file, the line and the field of the first bad line; a line with more ids than its
+``input_length`` fills at the block size read is one (the block size is wrong).
+
+Qwen-Bailian JSONL
+------------------
+The public Alibaba Bailian traces (``alibaba-edu/qwen-bailian-usagetraces-anon``) are block
+traces too: a line also has ``chat_id`` (which tells the format apart), ``parent_chat_id``,
+``turn`` and ``type`` (ignored here), its ``timestamp`` is in *seconds*, and each id names 16
+tokens::
+
+    {"chat_id": 7, "parent_chat_id": -1, "timestamp": 12.5, "input_length": 40,
+     "output_length": 9, "type": "text", "turn": 1, "hash_ids": [1, 2, 3]}
+
+Every other rule is Mooncake's. :data:`MOONCAKE` and :data:`QWEN_BAILIAN` hold each format's
+unit and block size; :func:`block_trace_format` tells which a file is.
 
 Tokens for a replay. The full data path needs token ids: :func:`to_requests` expands block id
 ``i`` to the named segment ``"block/{i}"`` of ``block_tokens`` tokens (the last block cut to the
@@ -59,10 +73,16 @@ from tiering.replay.traces import (
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
+    "MOONCAKE",
+    "QWEN_BAILIAN",
     "BlockRequest",
+    "BlockTrace",
+    "BlockTraceFormat",
     "PrefixTrie",
     "block_summary",
+    "block_trace_format",
     "is_mooncake_file",
+    "read_block_trace",
     "read_mooncake",
     "to_requests",
     "write_mooncake",
@@ -72,6 +92,25 @@ __all__ = [
 DEFAULT_BLOCK_TOKENS = 512
 
 _REQUIRED = ("timestamp", "input_length", "hash_ids")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTraceFormat:
+    """A block-trace format: its name, tokens per id, and the timestamp's unit."""
+
+    name: str
+    block_tokens: int
+    timestamp_unit: str  # "ms" or "s"
+
+    @property
+    def seconds_per_unit(self) -> float:
+        return 0.001 if self.timestamp_unit == "ms" else 1.0
+
+
+#: The Mooncake FAST'25 traces: 512-token ids, timestamps in milliseconds.
+MOONCAKE = BlockTraceFormat("mooncake", DEFAULT_BLOCK_TOKENS, "ms")
+#: The Qwen-Bailian traces: 16-token ids, timestamps in seconds; lines carry ``chat_id``.
+QWEN_BAILIAN = BlockTraceFormat("qwen-bailian", 16, "s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +131,19 @@ def _check_block_tokens(block_tokens: object) -> int:
     return block_tokens
 
 
-def is_mooncake_file(path: str | os.PathLike[str]) -> bool:
-    """Whether the first non-blank line of ``path`` is a JSON object with ``hash_ids``.
+@dataclass(frozen=True, slots=True)
+class BlockTrace:
+    """The requests of a block-trace file, by arrival, and how its ids were read."""
 
-    A file whose first line is not valid JSON is not Mooncake (tiering's reader then reports
-    the line)."""
+    requests: list[BlockRequest]
+    block_tokens: int
+    format: BlockTraceFormat
+
+
+def block_trace_format(path: str | os.PathLike[str]) -> BlockTraceFormat | None:
+    """The format of ``path`` from its first non-blank line: a JSON object with ``hash_ids``
+    is :data:`QWEN_BAILIAN` if it has ``chat_id`` too, else :data:`MOONCAKE`; anything else is
+    not a block trace (``None``: tiering's own reader then reports the line)."""
     with Path(path).open("rb") as file:
         for raw in file:
             if not raw.strip():
@@ -104,20 +151,39 @@ def is_mooncake_file(path: str | os.PathLike[str]) -> bool:
             try:
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                return False
-            return isinstance(obj, dict) and "hash_ids" in obj
-    return False
+                return None
+            if not isinstance(obj, dict) or "hash_ids" not in obj:
+                return None
+            return QWEN_BAILIAN if "chat_id" in obj else MOONCAKE
+    return None
 
 
-def read_mooncake(path: str | os.PathLike[str]) -> list[BlockRequest]:
-    """The requests of a Mooncake JSONL file, ordered by timestamp (stable).
+def is_mooncake_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a block trace (Mooncake's format or Qwen-Bailian's)."""
+    return block_trace_format(path) is not None
 
-    Raises ``FileNotFoundError`` if the file does not exist and :class:`TraceError` naming
-    ``path:line`` and the field for the first bad line. Request ids are ``"line{N}"``.
+
+def read_mooncake(
+    path: str | os.PathLike[str], block_tokens: int | None = None
+) -> list[BlockRequest]:
+    """The requests of :func:`read_block_trace`."""
+    return read_block_trace(path, block_tokens).requests
+
+
+def read_block_trace(path: str | os.PathLike[str], block_tokens: int | None = None) -> BlockTrace:
+    """The requests of a block-trace file (Mooncake or Qwen-Bailian, told by its first line),
+    ordered by timestamp (stable); ``block_tokens`` per id (default: the format's).
+
+    Raises ``FileNotFoundError`` if the file does not exist, :class:`TraceError` naming
+    ``path:line`` and the field for the first bad line (a file that is no block trace fails on
+    its first line), and ``ConfigurationError`` for a bad ``block_tokens``. Request ids are
+    ``"line{N}"``.
     """
     trace_path = Path(path)
     if not trace_path.is_file():
         raise FileNotFoundError(errno.ENOENT, "no such trace file", str(trace_path))
+    fmt = block_trace_format(trace_path) or MOONCAKE
+    tokens = fmt.block_tokens if block_tokens is None else _check_block_tokens(block_tokens)
     requests: list[BlockRequest] = []
     with trace_path.open("rb") as file:
         for line_number, raw in enumerate(file, start=1):
@@ -132,26 +198,30 @@ def read_mooncake(path: str | os.PathLike[str]) -> list[BlockRequest]:
             if not text.strip():
                 continue
             try:
-                requests.append(_parse_line(text, f"line{line_number}"))
+                requests.append(_parse_line(text, f"line{line_number}", fmt, tokens))
             except TraceError as exc:
                 raise TraceError(
                     exc.reason, field=exc.field, path=str(trace_path), line=line_number
                 ) from None
     requests.sort(key=lambda r: r.arrival_s)
-    return requests
+    return BlockTrace(requests, tokens, fmt)
 
 
-def _parse_line(text: str, request_id: str) -> BlockRequest:
+def _parse_line(
+    text: str, request_id: str, fmt: BlockTraceFormat, block_tokens: int
+) -> BlockRequest:
+    unit = "milliseconds" if fmt.timestamp_unit == "ms" else "seconds"
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise TraceError("a Mooncake line must hold a JSON object")
+        raise TraceError(f"a {fmt.name} line must hold a JSON object")
     for name in _REQUIRED:
         if name not in obj:
             raise TraceError(
-                "missing; a Mooncake line needs timestamp (ms), input_length and hash_ids",
+                f"missing; a {fmt.name} line needs timestamp ({fmt.timestamp_unit}), "
+                "input_length and hash_ids",
                 field=name,
             )
     timestamp = obj["timestamp"]
@@ -162,7 +232,7 @@ def _parse_line(text: str, request_id: str) -> BlockRequest:
         or timestamp < 0
     ):
         raise TraceError(
-            f"must be a number of milliseconds >= 0, got {timestamp!r:.40}", field="timestamp"
+            f"must be a number of {unit} >= 0, got {timestamp!r:.40}", field="timestamp"
         )
     input_length = obj["input_length"]
     if not _is_int(input_length) or input_length <= 0:
@@ -176,7 +246,16 @@ def _parse_line(text: str, request_id: str) -> BlockRequest:
     for i, block_id in enumerate(ids):
         if not _is_int(block_id) or block_id < 0:
             raise TraceError(f"must be an int >= 0, got {block_id!r:.40}", field=f"hash_ids[{i}]")
-    return BlockRequest(request_id, timestamp / 1000.0, input_length, output_length, tuple(ids))
+    fills = -(-input_length // block_tokens)
+    if len(ids) > fills:
+        raise TraceError(
+            f"{len(ids)} ids, but input_length {input_length} fills at most {fills} blocks of "
+            f"{block_tokens} tokens: --block-tokens must be this trace's tokens per id "
+            f"({fmt.name} traces: {fmt.block_tokens})",
+            field="hash_ids",
+        )
+    arrival_s = timestamp * fmt.seconds_per_unit
+    return BlockRequest(request_id, arrival_s, input_length, output_length, tuple(ids))
 
 
 def _is_int(value: object) -> bool:

@@ -21,12 +21,7 @@ from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError
 from tiering.model.kv_tensors import allocate_kv_caches
 from tiering.observability.service import Observability
-from tiering.replay.block_trace import (
-    DEFAULT_BLOCK_TOKENS,
-    is_mooncake_file,
-    read_mooncake,
-    to_requests,
-)
+from tiering.replay.block_trace import block_trace_format, read_block_trace, to_requests
 from tiering.replay.progress import ProgressBar
 from tiering.replay.replay_report import build_report
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine
@@ -48,7 +43,7 @@ class ReplayOptions:
     overlap: bool = False
     progress: bool = True
     device: str = "cpu"  # where the simulated engine's KV caches live: "cpu" or "cuda[:N]"
-    block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per hash id of a Mooncake trace
+    block_tokens: int | None = None  # tokens per hash id of a block trace (None: the format's)
 
 
 @dataclass(frozen=True)
@@ -67,20 +62,21 @@ def load_trace(
     seed: int,
     base_dir: Path | None = None,
     *,
-    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    block_tokens: int | None = None,
 ) -> list[Request]:
     """A built-in trace by name (token-level or realistic), or a JSONL file (relative paths
-    from ``base_dir``): tiering's own format or Mooncake's (detected by its ``hash_ids``; ids
-    of ``block_tokens`` tokens, expanded to tokens by
-    :func:`~tiering.replay.block_trace.to_requests`)."""
+    from ``base_dir``): tiering's own format or a block trace, Mooncake's or Qwen-Bailian's
+    (detected by its ``hash_ids``; ids of ``block_tokens`` tokens, by default the format's,
+    expanded to tokens by :func:`~tiering.replay.block_trace.to_requests`)."""
     if trace in WORKLOAD_TRACES:
         return list(to_requests(workload_trace(trace, scale, seed)))
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        if path.is_file() and is_mooncake_file(path):
-            return list(to_requests(read_mooncake(path), block_tokens))
+        if path.is_file() and block_trace_format(path) is not None:
+            blocks = read_block_trace(path, block_tokens)
+            return list(to_requests(blocks.requests, blocks.block_tokens))
         return list(read_jsonl(path))
     return builtin_trace(trace, scale=scale, seed=seed)
 

@@ -28,7 +28,6 @@ from tiering.config import TieringConfig, load_config, wipe_tiers
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import get_policy_class
-from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS
 from tiering.replay.replay_output import format_report, format_study, plot_study
 from tiering.replay.replay_run import ReplayOptions, ReplayStep, load_trace, run_replay
 from tiering.replay.study import policy_study
@@ -59,13 +58,14 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--trace",
         help="built-in trace (chat, rag, agent, mixed; realistic: conversation, toolagent, "
-        "documents, production) or a .jsonl file (tiering's format or Mooncake's)",
+        "documents, production) or a .jsonl file (tiering's format, Mooncake's or "
+        "Qwen-Bailian's)",
     )
     parser.add_argument(
         "--block-tokens",
         type=int,
-        default=DEFAULT_BLOCK_TOKENS,
-        help="tokens per hash id of a Mooncake trace (default 512)",
+        help="tokens per hash id of a block trace (default: the format's, 512 for Mooncake, "
+        "16 for Qwen-Bailian)",
     )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="trace seed")

@@ -8,9 +8,10 @@ config (its own policy, capacity and write policy), blocks served, bytes written
 written per served block, with and without the tier's admission gate (its
 ``admission_min_count``, or ``--admission N`` for every tier).
 
-Traces: a Mooncake JSONL file (``hash_ids`` of ``--block-tokens`` tokens; the study's blocks
-are those), tiering's own JSONL or a token-level built-in (hashed with the config's
-``hash_block_size``: the study's blocks are hash blocks), or a realistic built-in
+Traces: a block trace, Mooncake's or Qwen-Bailian's JSONL (``hash_ids`` of ``--block-tokens``
+tokens, by default the format's: 512, 16; the study's blocks are those), tiering's own JSONL
+or a token-level built-in (hashed with the config's ``hash_block_size``: the study's blocks
+are hash blocks), or a realistic built-in
 (``conversation``, ``toolagent``, ``documents``, ``production``: 512-token blocks).
 """
 
@@ -25,7 +26,7 @@ from tiering.config import WORKLOAD_TRACES, TierConfig, TieringConfig, load_conf
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import available_policies, get_policy_class
-from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, is_mooncake_file, read_mooncake
+from tiering.replay.block_trace import block_trace_format, read_block_trace
 from tiering.replay.study import (
     StudyTrace,
     TierModel,
@@ -47,7 +48,7 @@ def load_study_trace(
     *,
     scale: str = "demo",
     seed: int = 0,
-    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    block_tokens: int | None = None,
     max_requests: int | None = None,
 ) -> StudyTrace:
     """The study's keys for ``trace`` (see the module docstring)."""
@@ -57,8 +58,9 @@ def load_study_trace(
         path = Path(trace)
         if not path.is_file():
             raise TieringError(f"--trace: no such file {trace!r}")
-        if is_mooncake_file(path):
-            return study_trace_from_blocks(read_mooncake(path)[:max_requests], block_tokens)
+        if block_trace_format(path) is not None:
+            blocks = read_block_trace(path, block_tokens)
+            return study_trace_from_blocks(blocks.requests[:max_requests], blocks.block_tokens)
         requests = list(read_jsonl(path))
     else:
         requests = builtin_trace(trace, scale=scale, seed=seed)
@@ -181,7 +183,7 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument("--config", required=True, type=Path, help="the YAML config")
     parser.add_argument(
         "--trace",
-        help="a .jsonl file (Mooncake's or tiering's format) or a built-in trace "
+        help="a .jsonl file (Mooncake's, Qwen-Bailian's or tiering's format) or a built-in trace "
         f"({', '.join(WORKLOAD_TRACES)}; chat, rag, agent, mixed); default: the config's",
     )
     parser.add_argument(
@@ -193,8 +195,8 @@ def configure_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--block-tokens",
         type=int,
-        default=DEFAULT_BLOCK_TOKENS,
-        help="tokens per hash id of a Mooncake trace (default 512)",
+        help="tokens per hash id of a block trace (default: the format's, 512 for Mooncake, "
+        "16 for Qwen-Bailian)",
     )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="built-in trace seed")
@@ -217,7 +219,7 @@ def _main(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     fractions = _parse_fractions(args.sizes)
     policies = _parse_policies(args.policies)
-    if args.block_tokens <= 0:
+    if args.block_tokens is not None and args.block_tokens <= 0:
         raise TieringError(f"--block-tokens must be an int > 0, got {args.block_tokens}")
     if args.admission is not None and args.admission < 0:
         raise TieringError(f"--admission must be an int >= 0, got {args.admission}")

@@ -1,0 +1,96 @@
+"""Qwen-Bailian block traces: told apart from Mooncake's by ``chat_id``, timestamps in
+seconds, 16-token ids by default; a block size the ids cannot fit is a typed error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiering.cli import main as cli_main
+from tiering.replay import load_trace
+from tiering.replay.block_trace import (
+    MOONCAKE,
+    QWEN_BAILIAN,
+    BlockRequest,
+    block_trace_format,
+    read_block_trace,
+)
+from tiering.replay.study import run_study, study_trace_from_blocks
+from tiering.replay.traces import TraceError
+
+DATA = Path(__file__).parent / "data"
+SAMPLE = DATA / "qwen_bailian_sample.jsonl"
+MOONCAKE_SAMPLE = DATA / "mooncake_sample.jsonl"
+CONFIG = "version: 1\nmodel: {shape: tiny}\nprimary: {capacity: 256KiB}\n"
+
+
+def test_bailian_lines_are_told_from_mooncake_lines() -> None:
+    assert block_trace_format(SAMPLE) is QWEN_BAILIAN
+    assert block_trace_format(MOONCAKE_SAMPLE) is MOONCAKE
+
+
+def test_bailian_sample_is_read_in_seconds_with_16_token_ids() -> None:
+    trace = read_block_trace(SAMPLE)
+    assert trace.format is QWEN_BAILIAN and trace.block_tokens == 16
+    assert [(r.request_id, r.arrival_s) for r in trace.requests] == [
+        ("line1", 0.5),
+        ("line4", 2.25),
+        ("line2", 30.0),
+        ("line5", 61.0),
+    ]
+    assert trace.requests[2] == BlockRequest("line2", 30.0, 72, 11, (1, 2, 4, 5, 6))
+
+
+def test_study_of_the_bailian_sample_counts_hits_by_hand() -> None:
+    blocks = read_block_trace(SAMPLE)
+    trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens)
+    # Full 16-token blocks only: 2 + 2 + 4 + 6 references to 6 distinct prefixes; with room
+    # for all, the second request hits 2, the third 2 of 4, the fourth 4 of 6.
+    assert trace.block_accesses == 14 and trace.unique_blocks == 6
+    rows = run_study(trace, [6], ["lru"])
+    by = {r["policy"]: r for r in rows}
+    assert by["lru"]["prefix_hit_ratio"] == by["belady"]["prefix_hit_ratio"] == round(8 / 14, 4)
+    assert by["lru"]["prefill_tokens_saved"] == 16 * 8
+
+
+def test_a_block_size_the_ids_cannot_fit_names_line_field_and_fix(tmp_path: Path) -> None:
+    with pytest.raises(TraceError) as info:
+        read_block_trace(SAMPLE, block_tokens=512)  # line 1: 3 ids, 40 tokens fill 1 block
+    assert (info.value.path, info.value.line, info.value.field) == (str(SAMPLE), 1, "hash_ids")
+    assert "3 ids" in info.value.reason and "at most 1 blocks of 512" in info.value.reason
+    assert "qwen-bailian traces: 16" in info.value.reason
+    with pytest.raises(TraceError, match="mooncake traces: 512") as info:
+        read_block_trace(MOONCAKE_SAMPLE, block_tokens=1024)  # 3 ids for 1,536 tokens
+    assert info.value.line == 1
+    # Fewer ids than the tokens fill is allowed (the rest is padded for a replay).
+    assert len(read_block_trace(MOONCAKE_SAMPLE, block_tokens=256).requests) == 6
+
+
+def test_bad_bailian_timestamp_says_seconds(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"chat_id": 1, "timestamp": -2, "input_length": 16, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="seconds >= 0"):
+        read_block_trace(path)
+
+
+def test_replay_expands_bailian_ids_to_16_tokens() -> None:
+    requests = load_trace(str(SAMPLE), "demo", 0)
+    assert [len(r.token_ids) for r in requests] == [40, 32, 72, 96]
+    first, second = requests[0].token_ids, requests[2].token_ids
+    assert first[:32].tolist() == second[:32].tolist()  # ids 1, 2
+    assert first[32:40].tolist() != second[32:40].tolist()  # id 3 against id 4
+
+
+def test_cli_policy_study_reads_bailian_with_its_block_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", str(SAMPLE), "--sizes", "1"]
+    assert cli_main([*args, "--policies", "lru", "--json"]) == 0
+    lru, _belady = json.loads(capsys.readouterr().out)["policy_study"]
+    assert lru["capacity_blocks"] == 6 and lru["prefix_hit_ratio"] == round(8 / 14, 4)
+    assert cli_main([*args, "--block-tokens", "512"]) == 2
+    assert "at most 1 blocks of 512" in capsys.readouterr().err
