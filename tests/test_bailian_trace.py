@@ -62,10 +62,14 @@ def test_a_block_size_the_ids_cannot_fit_names_line_field_and_fix(tmp_path: Path
     assert "3 ids" in info.value.reason and "at most 1 blocks of 512" in info.value.reason
     assert "qwen-bailian traces: 16" in info.value.reason
     with pytest.raises(TraceError, match="mooncake traces: 512") as info:
-        read_block_trace(MOONCAKE_SAMPLE, block_tokens=1024)  # 3 ids for 1,536 tokens
+        read_block_trace(MOONCAKE_SAMPLE, block_tokens=2048)  # 3 ids for 1,536 tokens
     assert info.value.line == 1
-    # Fewer ids than the tokens fill is allowed (the rest is padded for a replay).
+    # Fewer ids than the tokens fill is allowed (the rest is padded for a replay), and one
+    # more (a trace's own rounding).
     assert len(read_block_trace(MOONCAKE_SAMPLE, block_tokens=256).requests) == 6
+    one_more = tmp_path / "t.jsonl"
+    one_more.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1, 2]}\n')
+    assert read_block_trace(one_more).requests[0].block_ids == (1, 2)
 
 
 def test_bad_bailian_timestamp_says_seconds(tmp_path: Path) -> None:

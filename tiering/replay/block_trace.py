@@ -29,7 +29,7 @@ Other fields (``session_id``, ``delay`` of other tools) are ignored. A file is a
 when its first non-blank line has ``hash_ids``; otherwise it is tiering's own JSONL
 (:mod:`tiering.replay.traces`). :func:`read_block_trace` raises :class:`TraceError` naming the
 file, the line and the field of the first bad line; a line with more ids than its
-``input_length`` fills at the block size read is one (the block size is wrong).
+``input_length`` fills at the block size read, plus one, is one (the block size is wrong).
 
 Qwen-Bailian JSONL
 ------------------
@@ -247,7 +247,7 @@ def _parse_line(
         if not _is_int(block_id) or block_id < 0:
             raise TraceError(f"must be an int >= 0, got {block_id!r:.40}", field=f"hash_ids[{i}]")
     fills = -(-input_length // block_tokens)
-    if len(ids) > fills:
+    if len(ids) > fills + 1:  # one more passes: a trace's own rounding is not a wrong size
         raise TraceError(
             f"{len(ids)} ids, but input_length {input_length} fills at most {fills} blocks of "
             f"{block_tokens} tokens: --block-tokens must be this trace's tokens per id "
