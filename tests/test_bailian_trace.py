@@ -98,3 +98,49 @@ def test_cli_policy_study_reads_bailian_with_its_block_size(
     assert lru["capacity_blocks"] == 6 and lru["prefix_hit_ratio"] == round(8 / 14, 4)
     assert cli_main([*args, "--block-tokens", "512"]) == 2
     assert "at most 1 blocks of 512" in capsys.readouterr().err
+
+
+def test_ids_grouped_into_larger_study_blocks() -> None:
+    blocks = read_block_trace(SAMPLE)
+    trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens, ids_per_block=2)
+    # 32-token study blocks: 1 + 1 + 2 + 3 full ones (ids (1, 2), (4, 5), (7, 8)), 3 prefixes;
+    # with room for all: 0 + 1 + 1 + 2 hits.
+    assert trace.block_tokens == 32
+    assert trace.block_accesses == 7 and trace.unique_blocks == 3
+    rows = run_study(trace, [3], ["lru"])
+    assert {r["policy"]: r["prefix_hit_ratio"] for r in rows} == {
+        "lru": round(4 / 7, 4),
+        "belady": round(4 / 7, 4),
+    }
+
+
+@pytest.mark.parametrize(
+    ("trace", "options", "message"),
+    [
+        (str(SAMPLE), ["--study-block-tokens", "24"], "not a multiple of the trace's 16"),
+        (str(SAMPLE), ["--study-block-tokens", "0"], "use a multiple of 16 (e.g. 16)"),
+        ("chat", ["--study-block-tokens", "512"], "applies to block traces"),
+    ],
+)
+def test_study_block_tokens_errors_name_the_values_and_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str, options: list[str], message: str
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", trace, *options]
+    assert cli_main([*args, "--policies", "lru", "--max-requests", "3", "--json"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_studies_a_generated_trace_in_larger_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", "conversation", "--scale"]
+    args += ["tiny", "--policies", "lru", "--sizes", "0.05", "--json"]
+    assert cli_main(args) == 0
+    (lru, _) = json.loads(capsys.readouterr().out)["policy_study"]
+    assert cli_main([*args, "--study-block-tokens", "1024"]) == 0
+    (lru_1024, _) = json.loads(capsys.readouterr().out)["policy_study"]
+    assert lru_1024["capacity_blocks"] < lru["capacity_blocks"]

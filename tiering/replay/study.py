@@ -70,16 +70,27 @@ class StudyTrace:
         return sum(map(len, self.key_lists))
 
 
-def study_trace_from_blocks(requests: Sequence[BlockRequest], block_tokens: int) -> StudyTrace:
+def study_trace_from_blocks(
+    requests: Sequence[BlockRequest], block_tokens: int, ids_per_block: int = 1
+) -> StudyTrace:
     """Keys of a block trace: ids chained along each prompt (:class:`PrefixTrie`). A prompt's
-    partial last block is dropped: an engine hashes, stores and reuses full blocks only."""
+    partial last block is dropped: an engine hashes, stores and reuses full blocks only.
+
+    With ``ids_per_block`` > 1, that many consecutive ids of ``block_tokens`` make one study
+    block (an engine that offloads larger blocks than the trace's ids: a 16-token trace
+    studied in 256-token blocks has a sixteenth of the references); its key names the prefix
+    ending at its last id, and a group the prompt does not fill is dropped."""
     trie = PrefixTrie()
-    node_lists = [trie.keys(r.block_ids[: r.input_tokens // block_tokens]) for r in requests]
+    study_tokens = block_tokens * ids_per_block
+    node_lists = []
+    for r in requests:
+        nodes = trie.keys(r.block_ids[: r.input_tokens // study_tokens * ids_per_block])
+        node_lists.append(nodes[ids_per_block - 1 :: ids_per_block] if ids_per_block > 1 else nodes)
     names = [i.to_bytes(8, "little") for i in range(len(trie))]
     return StudyTrace(
         [[names[n] for n in nodes] for nodes in node_lists],
         [r.input_tokens for r in requests],
-        block_tokens,
+        study_tokens,
     )
 
 

@@ -9,10 +9,10 @@ written per served block, with and without the tier's admission gate (its
 ``admission_min_count``, or ``--admission N`` for every tier).
 
 Traces: a block trace, Mooncake's or Qwen-Bailian's JSONL (``hash_ids`` of ``--block-tokens``
-tokens, by default the format's: 512, 16; the study's blocks are those), tiering's own JSONL
-or a token-level built-in (hashed with the config's ``hash_block_size``: the study's blocks
-are hash blocks), or a realistic built-in
-(``conversation``, ``toolagent``, ``documents``, ``production``: 512-token blocks).
+tokens, by default the format's: 512, 16; the study's blocks are those, or groups of them
+of ``--study-block-tokens``), tiering's own JSONL or a token-level built-in (hashed with the
+config's ``hash_block_size``: the study's blocks are hash blocks), or a realistic built-in
+(``conversation``, ``toolagent``, ``documents``, ``production``: 512-token blocks, or groups).
 """
 
 from __future__ import annotations
@@ -50,20 +50,33 @@ def load_study_trace(
     seed: int = 0,
     block_tokens: int | None = None,
     max_requests: int | None = None,
+    study_block_tokens: int | None = None,
 ) -> StudyTrace:
-    """The study's keys for ``trace`` (see the module docstring)."""
+    """The study's keys for ``trace`` (see the module docstring); ``study_block_tokens``
+    groups a block trace's ids into study blocks of that many tokens."""
     if trace in WORKLOAD_TRACES:
-        return study_trace_from_blocks(workload_trace(trace, scale, seed)[:max_requests], 512)
+        group = _ids_per_block(study_block_tokens, 512)
+        generated = workload_trace(trace, scale, seed)[:max_requests]
+        return study_trace_from_blocks(generated, 512, group)
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
         if not path.is_file():
             raise TieringError(f"--trace: no such file {trace!r}")
         if block_trace_format(path) is not None:
             blocks = read_block_trace(path, block_tokens)
-            return study_trace_from_blocks(blocks.requests[:max_requests], blocks.block_tokens)
+            group = _ids_per_block(study_block_tokens, blocks.block_tokens)
+            return study_trace_from_blocks(
+                blocks.requests[:max_requests], blocks.block_tokens, group
+            )
         requests = list(read_jsonl(path))
     else:
         requests = builtin_trace(trace, scale=scale, seed=seed)
+    if study_block_tokens is not None:
+        raise TieringError(
+            f"--study-block-tokens applies to block traces; {trace!r} is a token trace, whose "
+            f"study blocks are the config's hash blocks ({config.hashing.hash_block_size} "
+            "tokens): leave the option out"
+        )
     requests = requests[:max_requests]
     hasher = PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm)
     return StudyTrace(
@@ -71,6 +84,19 @@ def load_study_trace(
         [r.num_prompt_tokens for r in requests],
         config.hashing.hash_block_size,
     )
+
+
+def _ids_per_block(study_block_tokens: int | None, block_tokens: int) -> int:
+    """How many of a trace's ids make one study block of ``study_block_tokens``."""
+    if study_block_tokens is None:
+        return 1
+    if study_block_tokens <= 0 or study_block_tokens % block_tokens:
+        raise TieringError(
+            f"--study-block-tokens {study_block_tokens} is not a multiple of the trace's "
+            f"{block_tokens} tokens per id: use a multiple of {block_tokens} (e.g. "
+            f"{block_tokens * max(1, -(-study_block_tokens // block_tokens))})"
+        )
+    return study_block_tokens // block_tokens
 
 
 def _block_bytes(config: TieringConfig, block_tokens: int) -> int:
@@ -198,6 +224,13 @@ def configure_parser(subparsers: Any) -> None:
         help="tokens per hash id of a block trace (default: the format's, 512 for Mooncake, "
         "16 for Qwen-Bailian)",
     )
+    parser.add_argument(
+        "--study-block-tokens",
+        type=int,
+        metavar="N",
+        help="study blocks of N tokens, a multiple of a block trace's tokens per id (default: "
+        "one id): as an engine that offloads N-token blocks; fewer references to study",
+    )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="built-in trace seed")
     parser.add_argument("--max-requests", type=int, help="study only the first N requests")
@@ -231,6 +264,7 @@ def _main(args: argparse.Namespace) -> int:
         seed=config.replay.seed if args.seed is None else args.seed,
         block_tokens=args.block_tokens,
         max_requests=args.max_requests,
+        study_block_tokens=args.study_block_tokens,
     )
     if not trace.block_accesses:
         raise TieringError(f"--trace: {trace_name!r} has no full block to study")
