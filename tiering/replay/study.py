@@ -82,10 +82,17 @@ def study_trace_from_blocks(
     ending at its last id, and a group the prompt does not fill is dropped."""
     trie = PrefixTrie()
     study_tokens = block_tokens * ids_per_block
+    groups: dict[tuple[int, ...], int] = {}  # a group of ids as one id: k times fewer nodes
     node_lists = []
     for r in requests:
-        nodes = trie.keys(r.block_ids[: r.input_tokens // study_tokens * ids_per_block])
-        node_lists.append(nodes[ids_per_block - 1 :: ids_per_block] if ids_per_block > 1 else nodes)
+        ids = r.block_ids[: r.input_tokens // study_tokens * ids_per_block]
+        if ids_per_block > 1:
+            k = ids_per_block
+            ids = tuple(
+                groups.setdefault(ids[i : i + k], len(groups))
+                for i in range(0, len(ids) - k + 1, k)
+            )
+        node_lists.append(trie.keys(ids))
     names = [i.to_bytes(8, "little") for i in range(len(trie))]
     return StudyTrace(
         [[names[n] for n in nodes] for nodes in node_lists],
