@@ -4,6 +4,7 @@ seconds, 16-token ids by default; a block size the ids cannot fit is a typed err
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,23 @@ def test_cli_studies_a_generated_trace_in_larger_blocks(
     assert cli_main([*args, "--study-block-tokens", "1024"]) == 0
     (lru_1024, _) = json.loads(capsys.readouterr().out)["policy_study"]
     assert lru_1024["capacity_blocks"] < lru["capacity_blocks"]
+
+
+def test_bench_policies_judges_a_trace_file_as_the_generated_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # How the owners judge a held-out trace: the same columns and verdicts as the table of
+    # docs/benchmarks.md, a row per size even where a small trace gives two sizes one capacity.
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_policies.py"))
+    rows = bench["main"](["--files", str(SAMPLE)])
+    assert [r["fraction"] for r in rows] == [0.01, 0.02, 0.05, 0.1, 0.2]
+    blocks = read_block_trace(SAMPLE)
+    trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens)
+    for row in rows:
+        study = run_study(trace, [int(row["capacity_blocks"])], ["lru", "hybrid"])
+        assert {r["policy"]: r["prefix_hit_ratio"] for r in study} == {
+            p: row[p] for p in ("lru", "hybrid", "belady")
+        }
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + 5
+    assert table[4].startswith(f"| {SAMPLE} | - | 1 | 5% |") and table[4].endswith("| NO |")
