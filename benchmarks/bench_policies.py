@@ -26,7 +26,13 @@ from collections.abc import Sequence
 
 from tiering.policies import available_policies
 from tiering.replay.block_trace import read_block_trace
-from tiering.replay.study import StudyTrace, capacities_for, run_study, study_trace_from_blocks
+from tiering.replay.study import (
+    StudyTrace,
+    capacities_for,
+    ids_per_block,
+    run_study,
+    study_trace_from_blocks,
+)
 from tiering.replay.workloads import WORKLOAD_TRACES, workload_trace
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2)
@@ -42,14 +48,7 @@ def bench_file(
     path: str, block_tokens: int | None, study_block_tokens: int | None
 ) -> list[dict[str, object]]:
     blocks = read_block_trace(path, block_tokens)
-    group = 1
-    if study_block_tokens is not None:
-        if study_block_tokens % blocks.block_tokens:
-            raise SystemExit(
-                f"--study-block-tokens {study_block_tokens} is not a multiple of {path}'s "
-                f"{blocks.block_tokens} tokens per id"
-            )
-        group = study_block_tokens // blocks.block_tokens
+    group = ids_per_block(study_block_tokens, blocks.block_tokens)
     trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens, group)
     return bench_study(trace, path, "-")
 

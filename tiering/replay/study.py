@@ -46,6 +46,7 @@ from tiering.replay.progress import ProgressBar
 __all__ = [
     "StudyTrace",
     "TierModel",
+    "ids_per_block",
     "policy_study",
     "run_study",
     "simulate_cpu",
@@ -68,6 +69,21 @@ class StudyTrace:
     @property
     def block_accesses(self) -> int:
         return sum(map(len, self.key_lists))
+
+
+def ids_per_block(study_block_tokens: int | None, block_tokens: int) -> int:
+    """How many of a trace's ids of ``block_tokens`` make one study block of
+    ``study_block_tokens`` (``None``: one). Raises :class:`TieringError` naming both numbers
+    and a valid size if it is not a positive multiple."""
+    if study_block_tokens is None:
+        return 1
+    if study_block_tokens <= 0 or study_block_tokens % block_tokens:
+        raise TieringError(
+            f"--study-block-tokens {study_block_tokens} is not a multiple of the trace's "
+            f"{block_tokens} tokens per id: use a multiple of {block_tokens} (e.g. "
+            f"{block_tokens * max(1, -(-study_block_tokens // block_tokens))})"
+        )
+    return study_block_tokens // block_tokens
 
 
 def study_trace_from_blocks(

@@ -31,6 +31,7 @@ from tiering.replay.study import (
     StudyTrace,
     TierModel,
     capacities_for,
+    ids_per_block,
     run_study,
     study_trace_from_blocks,
 )
@@ -55,7 +56,7 @@ def load_study_trace(
     """The study's keys for ``trace`` (see the module docstring); ``study_block_tokens``
     groups a block trace's ids into study blocks of that many tokens."""
     if trace in WORKLOAD_TRACES:
-        group = _ids_per_block(study_block_tokens, 512)
+        group = ids_per_block(study_block_tokens, 512)
         generated = workload_trace(trace, scale, seed)[:max_requests]
         return study_trace_from_blocks(generated, 512, group)
     if trace.endswith(".jsonl") or "/" in trace:
@@ -64,7 +65,7 @@ def load_study_trace(
             raise TieringError(f"--trace: no such file {trace!r}")
         if block_trace_format(path) is not None:
             blocks = read_block_trace(path, block_tokens)
-            group = _ids_per_block(study_block_tokens, blocks.block_tokens)
+            group = ids_per_block(study_block_tokens, blocks.block_tokens)
             return study_trace_from_blocks(
                 blocks.requests[:max_requests], blocks.block_tokens, group
             )
@@ -84,19 +85,6 @@ def load_study_trace(
         [r.num_prompt_tokens for r in requests],
         config.hashing.hash_block_size,
     )
-
-
-def _ids_per_block(study_block_tokens: int | None, block_tokens: int) -> int:
-    """How many of a trace's ids make one study block of ``study_block_tokens``."""
-    if study_block_tokens is None:
-        return 1
-    if study_block_tokens <= 0 or study_block_tokens % block_tokens:
-        raise TieringError(
-            f"--study-block-tokens {study_block_tokens} is not a multiple of the trace's "
-            f"{block_tokens} tokens per id: use a multiple of {block_tokens} (e.g. "
-            f"{block_tokens * max(1, -(-study_block_tokens // block_tokens))})"
-        )
-    return study_block_tokens // block_tokens
 
 
 def _block_bytes(config: TieringConfig, block_tokens: int) -> int:

@@ -12,9 +12,9 @@ production, following the published Mooncake traces (FAST'25) and their analyses
   (1.9 turns on average, 2.0 before; 73 % single-turn; 2 % of 10 turns or more), so one that
   has gone on is likelier to go on again. A single probability for all (geometric turns)
   makes the age of a block the only thing an online policy can know of its future, and LRU
-  close to the online optimum; it also put ARC under LRU at every size, where on the public Mooncake
-  conversation trace ARC is above LRU (12 % of the LRU -> Belady gap at 4.5 % of the unique
-  blocks). The Beta's first parameter is set to reproduce that share (11.6 % over seeds 0 and
+  close to the online optimum; it also put ARC under LRU at every size, where on the public
+  Mooncake conversation trace ARC is above LRU (12 % of the LRU -> Belady gap at 4.5 % of the
+  unique blocks). The Beta's first parameter is set to reproduce that share (11.6 % over seeds 0 and
   1); docs/workloads.md has the figures before and after.
 - **Shared system prompts per tenant** (Zipf popularity over tenants): the roots every
   request of a tenant shares.
