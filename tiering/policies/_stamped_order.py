@@ -195,11 +195,13 @@ class StampedOrder:
     def touch_all_promoting(self, keys: Sequence[bytes], into: StampedOrder) -> None:
         """ARC's touch, from the last key to the first: an evictable key of this order moves to
         ``into`` as its most recent, a pinned one becomes this order's most recent (preparing a
-        block is not a second use), any other key is touched in ``into`` (absent: ignored)."""
+        block is not a second use), any other key is touched in ``into`` (absent: ignored).
+        One clock for both orders in this call: a key that stays here and one moved or touched
+        in ``into`` keep the call's order, for a policy that compares the two orders' stamps."""
         main, parked, in_place = self._main, self._parked, self._pinned_in_place
         into_main, into_parked = into._main, into._parked
         move_to_end = into_main.move_to_end
-        stamp, last, into_stamp, into_last = self._clock, self._last, into._clock, into._last
+        stamp, last, into_last = max(self._clock, into._clock), self._last, into._last
         moved = 0
         into_released = into._released
         released = self._released
@@ -226,14 +228,14 @@ class StampedOrder:
                 parked[key] = stamp
                 continue
             elif key in into_parked:
-                into_stamp += 1
-                into_parked[key] = into_stamp
+                stamp += 1
+                into_parked[key] = stamp
                 continue
             else:
                 continue  # absent (or a ghost): ignored
-            into_stamp += 1
-            into_main[key] = into_last = into_stamp
-        self._clock, self._last, into._clock, into._last = stamp, last, into_stamp, into_last
+            stamp += 1
+            into_main[key] = into_last = stamp
+        self._clock, self._last, into._clock, into._last = stamp, last, stamp, into_last
         if moved:
             self.size -= moved
             into.size += moved

@@ -102,8 +102,9 @@ class ARCPolicy(EvictionPolicy):
         # key evictable) take keys in exactly this order.
         t1, t2 = iter(self._t1), iter(self._t2)
         t1_left, t2_left = len(self._t1), len(self._t2)
+        target = self._arc_target()
         while t1_left and t2_left:
-            if t1_left > self._target_t1_size:
+            if t1_left > target:
                 t1_left -= 1
                 yield next(t1)
             else:
@@ -245,7 +246,7 @@ class ARCPolicy(EvictionPolicy):
         # does not change), else from T2; a list with nothing evictable left gives way to the
         # other. Taken in runs, that is: T1 until |T1| <= p, then T2, then T1 again.
         t1_size = t1.size
-        p = self._target_t1_size
+        p = self._arc_target()
         from_t1 = min(n, t1_size - math.floor(p)) if t1_size > p else 0
         try:
             to_b1 = t1.take(from_t1, guard) if from_t1 else []
@@ -280,6 +281,10 @@ class ARCPolicy(EvictionPolicy):
         self._target_t1_size = self._INITIAL_SHARE * self.capacity
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _arc_target(self) -> float:
+        # The ``p`` that ARC's victim rule compares |T1| with (a subclass may keep another).
+        return self._target_t1_size
 
     def _trim_ghosts(self) -> None:
         capacity, b1, b2 = self.capacity, self._b1, self._b2
