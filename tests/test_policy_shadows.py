@@ -4,18 +4,21 @@ hybrid within 0.2 points of LRU and ARC where its own rule alone fell under them
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 from test_policies import ARCMachine, LRUMachine, pool_keys
 
-from tiering.policies import HybridPolicy, LRUPolicy
+from tiering.policies import ARCPolicy, EvictionPolicy, HybridPolicy, LRUPolicy
 from tiering.policies._shadows import (
     HALF_LIFE_CAPACITIES,
+    MAX_SAMPLE_BITS,
     MIN_LEAD,
     MIN_SHADOW_BLOCKS,
+    RULES,
+    ShadowCache,
     ShadowDuel,
     sample_bits,
 )
@@ -34,47 +37,43 @@ def k(i: int) -> bytes:
     return i.to_bytes(8, "little")
 
 
-class _FifoPolicy(LRUPolicy):
-    """First in, first out: a hit changes nothing (a rule LRU beats on a hot key)."""
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        return None
-
-
 # -- ShadowDuel ------------------------------------------------------------------------------
 
 
 def test_sample_bits_leave_each_shadow_its_minimum() -> None:
     m = MIN_SHADOW_BLOCKS
-    assert [sample_bits(c) for c in (1, m, 2 * m - 1, 2 * m, 4 * m, 8 * m, 10**7)] == [
-        0,
-        0,
-        0,
-        1,
-        2,
-        3,
-        3,
-    ]
+    sizes = (1, m, 2 * m - 1, 2 * m, 4 * m, 8 * m, 32 * m, 10**7)
+    assert [sample_bits(c) for c in sizes] == [0, 0, 0, 1, 2, 3, 5, MAX_SAMPLE_BITS]
+
+
+def _hot_keys_and_a_scan(duel: ShadowDuel, rounds: int) -> list[str]:
+    """Four hot keys used twice, then one-off keys with a hot key touched between them: ARC
+    keeps the hot keys in T2, LRU loses them to the scan. The leader after each round."""
+    hot = [k(i) for i in range(4)]
+    leaders = []
+    for key in hot:
+        duel.stored([key])
+        duel.touched([key])
+    for i in range(rounds):
+        duel.stored([k(100 + 2 * i), k(101 + 2 * i)])
+        duel.touched([hot[i % 4]])
+        leaders.append(duel.leader)
+    return leaders
 
 
 def test_a_rule_leads_once_it_is_min_lead_prefix_hits_ahead() -> None:
-    # A hot key referred to between new ones: LRU keeps it, FIFO loses it every 4 stores.
-    duel = ShadowDuel(4, [("fifo", _FifoPolicy), ("lru", LRUPolicy)])
-    duel.stored([k(0)])
-    switched_at = None
-    for i in range(1, 400):
-        duel.touched([k(0)])
-        duel.stored([k(i)])
-        scores = duel.scores
-        lead = scores["lru"] - scores["fifo"]
-        if switched_at is None and lead >= MIN_LEAD:
-            switched_at = i
-        assert duel.leader == ("fifo" if switched_at is None else "lru"), (i, scores)
-    assert switched_at is not None  # FIFO serves 3 hot touches in 4 (measured: switch at 128)
+    leaders = _hot_keys_and_a_scan(ShadowDuel(6, ["lru", "arc"]), 200)
+    switched = leaders.index("arc")
+    assert 0 < switched and leaders[switched:] == ["arc"] * (200 - switched)
+    before, at = ShadowDuel(6, ["lru", "arc"]), ShadowDuel(6, ["lru", "arc"])
+    _hot_keys_and_a_scan(before, switched)
+    _hot_keys_and_a_scan(at, switched + 1)
+    assert before.scores["arc"] - before.scores["lru"] < MIN_LEAD
+    assert at.scores["arc"] - at.scores["lru"] >= MIN_LEAD
 
 
 def test_a_shadow_scores_the_leading_run_of_held_keys_only() -> None:
-    duel = ShadowDuel(2, [("lru", LRUPolicy)])
+    duel = ShadowDuel(2, ["lru"])
     duel.stored([k(1), k(2), k(3)])  # more than it holds: the last two stay, as demand paging
     duel.touched([k(1), k(2), k(3)])  # k(1) missing: k(2) and k(3) serve no prefix
     assert duel.scores == {"lru": 0.0}
@@ -85,7 +84,7 @@ def test_a_shadow_scores_the_leading_run_of_held_keys_only() -> None:
 
 def test_keys_touched_then_stored_are_one_reference() -> None:
     # The study's driver touches a request's missing keys, then stores them.
-    duel = ShadowDuel(8, [("lru", LRUPolicy)])
+    duel = ShadowDuel(8, ["lru"])
     duel.touched([k(1), k(2)])
     duel.stored([k(1), k(2)])  # not held before the touch: not a hit now
     assert duel.scores == {"lru": 0.0}
@@ -97,7 +96,7 @@ def test_keys_touched_then_stored_are_one_reference() -> None:
 
 
 def test_scores_halve_every_half_life_of_sampled_references() -> None:
-    duel = ShadowDuel(1, [("lru", LRUPolicy)])
+    duel = ShadowDuel(1, ["lru"])
     duel.stored([k(1)])
     for _ in range(HALF_LIFE_CAPACITIES - 2):
         duel.touched([k(1)])
@@ -108,7 +107,7 @@ def test_scores_halve_every_half_life_of_sampled_references() -> None:
 
 def test_only_sampled_keys_reach_large_shadows() -> None:
     capacity = 8 * MIN_SHADOW_BLOCKS  # 1 key in 8
-    duel = ShadowDuel(capacity, [("lru", LRUPolicy)])
+    duel = ShadowDuel(capacity, ["lru"])
     keys = [k(i) for i in range(4000)]
     sampled = [key for key in keys if zlib.crc32(key) & 7 == 0]
     assert 400 < len(sampled) <= MIN_SHADOW_BLOCKS  # the shadow holds them all
@@ -121,15 +120,52 @@ def test_only_sampled_keys_reach_large_shadows() -> None:
 
 
 def test_clear_forgets_scores_and_the_leader() -> None:
-    duel = ShadowDuel(4, [("fifo", _FifoPolicy), ("lru", LRUPolicy)])
-    duel.stored([k(0)])
-    for i in range(1, 400):
-        duel.touched([k(0)])
-        duel.stored([k(i)])
-    assert duel.leader == "lru"
+    duel = ShadowDuel(6, ["lru", "arc"])
+    assert _hot_keys_and_a_scan(duel, 200)[-1] == "arc"
     duel.clear()
-    assert duel.leader == "fifo"
-    assert duel.scores == {"fifo": 0.0, "lru": 0.0}
+    assert duel.leader == "lru"
+    assert duel.scores == {"lru": 0.0, "arc": 0.0}
+
+
+_calls = st.lists(
+    st.lists(st.sampled_from([k(i) for i in range(12)]), unique=True, max_size=5), max_size=60
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=_calls, capacity=st.integers(1, 6), rule=st.sampled_from(RULES))
+def test_a_shadow_takes_the_victims_its_policy_takes(
+    calls: list[list[bytes]], capacity: int, rule: str
+) -> None:
+    """Lockstep with the policy the shadow stands for, driven as the study drives it (touch
+    the call's keys, evict for the missing ones, store them), nothing pinned or protected:
+    the same keys held, the same lists and ghosts, the same leading runs."""
+    shadow = ShadowCache(rule, capacity)
+    policy: EvictionPolicy = {
+        "lru": LRUPolicy,
+        "arc": ARCPolicy,
+        "hybrid": _following("hybrid", shadows=False),
+    }[rule](capacity)
+    for keys in calls:
+        run = 0
+        for key in keys:
+            if key not in policy:
+                break
+            run += 1
+        policy.touch(keys)
+        missing = [key for key in keys if key not in policy][-capacity:]
+        shortfall = len(policy) + len(missing) - capacity
+        if shortfall > 0:
+            assert policy.evict(shortfall) is not None
+        policy.insert_new(missing)
+        assert shadow.refer(keys) == run
+        assert sorted(policy) == sorted([*shadow._t1, *shadow._t2])
+        if isinstance(policy, ARCPolicy):
+            assert policy.t1_keys == tuple(shadow._t1)
+            assert policy.t2_keys == tuple(shadow._t2)
+            assert policy.b1_keys == tuple(shadow._b1)
+            assert policy.b2_keys == tuple(shadow._b2)
+            assert policy.target_t1_size == shadow.target
 
 
 # -- hybrid following each rule --------------------------------------------------------------

@@ -33,7 +33,7 @@ ghosts, keys only, trimmed as ARC trims them):
 - **Which rule, measured as it runs.** No one rule wins everywhere: on the generated traces
   ARC beats this rule by up to 0.45 points at 1-2 % of the unique blocks (conversations,
   documents), LRU by up to 0.4 on agent loops at 1 %. Sampled shadow caches
-  (:mod:`tiering.policies._shadows`) run this rule, LRU and ARC over one key in up to eight,
+  (:mod:`tiering.policies._shadows`) run this rule, LRU and ARC over one key in up to 32,
   each scored by the prefix hits it would serve, and the victims follow the rule whose shadow
   leads (:attr:`HybridPolicy.rule`): ``"hybrid"`` as above, ``"lru"`` the least recent of T1
   and T2 together, ``"arc"`` ARC's rule with ARC's own target (kept beside ``p``, from 0 and
@@ -44,7 +44,7 @@ Cost: ARC's machinery (:class:`~tiering.policies._order.RecencyOrder` lists shar
 amortized per key, a victim search never meets a pinned key). A victim taken while T1 is
 within its target costs two head peeks and a one-key search: O(1) amortized (stale heap
 entries a peek drops were made by earlier calls, as in a search). The shadows add a CRC-32
-per key and, for the sampled keys, three small policies' work.
+per key and, for the sampled keys, three ordered-dict caches' work.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ from tiering.policies._checks import (
     protected_set,
 )
 from tiering.policies._order import RecencyOrder
-from tiering.policies._shadows import ShadowDuel
+from tiering.policies._shadows import RULES, ShadowDuel
 from tiering.policies.arc import ARCPolicy
-from tiering.policies.lru import LRUPolicy
 
 __all__ = ["HybridPolicy"]
 
@@ -79,23 +78,20 @@ class HybridPolicy(ARCPolicy):
 
     _INITIAL_SHARE: ClassVar[float] = 0.5
     _FLOOR_SHARE: ClassVar[float] = 0.2
-    #: False: ``_FIRST_RULE`` alone, no shadows (the shadow of the hybrid rule is such a policy).
+    #: False: ``_FIRST_RULE`` alone, no shadows (tests hold it to one rule so).
     _FOLLOWS_SHADOWS: ClassVar[bool] = True
     #: The rule followed until a shadow of another leads.
     _FIRST_RULE: ClassVar[str] = "hybrid"
-    _RULES: ClassVar[tuple[str, ...]] = ("hybrid", "lru", "arc")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._arc_only_target = 0.0  # ARC's own p: from 0, no floor
         self._shadows: ShadowDuel | None = None
-        if self._FIRST_RULE not in self._RULES:
-            raise ValueError(f"_FIRST_RULE must be one of {self._RULES}, got {self._FIRST_RULE!r}")
+        if self._FIRST_RULE not in RULES:
+            raise ValueError(f"_FIRST_RULE must be one of {RULES}, got {self._FIRST_RULE!r}")
         if self._FOLLOWS_SHADOWS and capacity > 0:
-            shadows = {"hybrid": _HybridRule, "lru": LRUPolicy, "arc": ARCPolicy}
             first = self._FIRST_RULE
-            order = [first, *(r for r in self._RULES if r != first)]
-            self._shadows = ShadowDuel(capacity, [(r, shadows[r]) for r in order])
+            self._shadows = ShadowDuel(capacity, [first, *(r for r in RULES if r != first)])
 
     @property
     def rule(self) -> str:
@@ -230,12 +226,6 @@ class HybridPolicy(ARCPolicy):
 
     def _arc_target(self) -> float:
         return self._arc_only_target
-
-
-class _HybridRule(HybridPolicy):
-    """The hybrid rule alone: the shadow of that rule (no shadows of its own)."""
-
-    _FOLLOWS_SHADOWS = False
 
 
 def _older_first(t1: RecencyOrder, t2: RecencyOrder) -> tuple[RecencyOrder, RecencyOrder] | None:
