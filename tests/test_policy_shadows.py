@@ -141,11 +141,12 @@ def test_a_shadow_takes_the_victims_its_policy_takes(
     the call's keys, evict for the missing ones, store them), nothing pinned or protected:
     the same keys held, the same lists and ghosts, the same leading runs."""
     shadow = ShadowCache(rule, capacity)
-    policy: EvictionPolicy = {
+    classes: dict[str, type[EvictionPolicy]] = {
         "lru": LRUPolicy,
         "arc": ARCPolicy,
         "hybrid": _following("hybrid", shadows=False),
-    }[rule](capacity)
+    }
+    policy = classes[rule](capacity)
     for keys in calls:
         run = 0
         for key in keys:
