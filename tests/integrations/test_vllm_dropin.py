@@ -48,6 +48,7 @@ from tiering.integrations import vllm_plugin
 from tiering.integrations.vllm import INFO_KEYS, PRIMARY_LABEL, TieringManager, TieringSpec
 from tiering.integrations.vllm_layout import layout_fingerprint
 from tiering.integrations.vllm_tiers import TieringTierMetrics
+from tiering.policies import HybridPolicy
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 HIT_PENDING = LookupResult.HIT_PENDING
@@ -655,11 +656,22 @@ def documented(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     return transfer, path
 
 
-def test_the_documented_command_line_gives_cpu_file_and_lmdb_tiering(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", [None, "hybrid"])
+def test_the_documented_command_line_gives_cpu_file_and_lmdb_tiering(
+    tmp_path: Path, policy: str | None
+) -> None:
     """vLLM's Scheduler and OffloadingConnector built from exactly the documented JSON: a
-    prompt evicted from the GPU and the CPU tier comes back from the file tier."""
-    transfer, _ = documented(tmp_path)
-    engine_id = f"{ENGINE_ID_PREFIX}docs"
+    prompt evicted from the GPU and the CPU tier comes back from the file tier. Again with
+    ``eviction_policy: hybrid`` and hybrid in every secondary tier (its shadows fed by
+    vLLM's own calls)."""
+    transfer, path = documented(tmp_path)
+    if policy is not None:
+        transfer["kv_connector_extra_config"]["eviction_policy"] = policy
+        data = yaml.safe_load(path.read_text())
+        for tier in data["secondary_tiers"]:
+            tier["policy"] = policy
+        path.write_text(yaml.safe_dump(data))
+    engine_id = f"{ENGINE_ID_PREFIX}docs-{policy}"
     config = vllm_config(
         {}, num_gpu_blocks=16, transfer=KVTransferConfig(**transfer, engine_id=engine_id)
     )
@@ -672,7 +684,10 @@ def test_the_documented_command_line_gives_cpu_file_and_lmdb_tiering(tmp_path: P
             ("nvme", "FileBackend"),
             ("lmdb", "LMDBBackend"),
         ]
-        assert manager.policy == "arc"
+        assert manager.policy == (policy or "arc")
+        if policy is not None:
+            assert all(type(t.policy) is HybridPolicy for t in tiers)
+            assert type(manager.manager.primary.policy) is HybridPolicy
         prompt_a = list(range(1, 1 + 4 * BLOCK_SIZE))
         engine.add_request("a", prompt_a)
         engine.run()
