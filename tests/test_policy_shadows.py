@@ -8,8 +8,8 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
-from test_policies import ARCMachine, LRUMachine, pool_keys
+from hypothesis.stateful import invariant
+from test_policies import ARCMachine, LRUMachine
 
 from tiering.policies import ARCPolicy, EvictionPolicy, HybridPolicy, LRUPolicy
 from tiering.policies._shadows import (
@@ -190,27 +190,10 @@ class TestHybridFromEachRule(PolicyTests):
 
 
 class HybridLRURuleMachine(LRUMachine):
-    """Hybrid held to LRU's rule evicts, orders and holds exactly as LRU's model, every key
-    evictable and none protected. (A pinned or protected oldest key of T1 or T2 can make the
-    victim the next of that list though the other list's oldest is older, as in hybrid's
-    own rule: the two lists' heads are compared, not their first evictable keys.)"""
+    """Hybrid held to LRU's rule evicts, orders and holds exactly as LRU's model, pins and
+    protected keys included (the victim is the older of the lists' first evictable keys)."""
 
     policy_class = _following("lru", shadows=False)  # type: ignore[assignment]
-
-    @rule(key=pool_keys)
-    def insert_evictable(self, key: bytes) -> None:
-        LRUMachine.insert(self, key, True)
-
-    @rule(keys=st.lists(pool_keys, max_size=4))
-    def insert_many_evictable(self, keys: list[bytes]) -> None:
-        LRUMachine.insert_many(self, keys, True)
-
-    @rule(n=st.integers(0, 4))
-    def evict_unprotected(self, n: int) -> None:
-        LRUMachine.evict(self, n, frozenset())
-
-    insert = insert_many = evict = None  # type: ignore[assignment]
-    set_evictable = set_evictable_many = pin_evictable = None  # type: ignore[assignment]
 
 
 class HybridARCRuleMachine(ARCMachine):

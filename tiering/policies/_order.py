@@ -266,6 +266,18 @@ class RecencyOrder(StampedOrder):
             self._compact_if_stale()
         return got
 
+    def take_one(self, protected: Container[bytes]) -> tuple[bytes, int] | None:
+        """:meth:`take` of one key, with its stamp (``None`` if no key is left)."""
+        got = self.take(1, protected)
+        return (got[0], self._taken_stamps[-1]) if got else None
+
+    def put_back_last(self) -> None:
+        """Return the key the last :meth:`take` of this search took, as if not taken: it is
+        back in its place when the search ends (kept or undone), its stamp unchanged."""
+        key, stamp = self._taken_keys.pop(), self._taken_stamps.pop()
+        self.size += 1
+        self._aside.append((stamp, key))
+
     def end_search(self, undo: bool) -> None:
         """End a search: keep the keys :meth:`take` removed, or put them back exactly.
 

@@ -186,21 +186,34 @@ class HybridPolicy(ARCPolicy):
                 to_b1 += t1.take(min(n, t1.size - math.floor(p)), guard)
                 taken += to_b1
             left = n - len(to_b1)
+            # The older of the two lists' first evictable, unprotected keys, one at a time.
+            # A list's oldest stamp is a lower bound of its first such key's: a key is taken
+            # (its stamp then exact) only from the list that may hold the older one, and a key
+            # taken but not chosen is put back in its place.
+            pending: dict[int, tuple[bytes, int] | None] = {1: None, 2: None}
+            done = {1: False, 2: False}
             while left:
-                pair = _older_first(t1, t2)
-                if pair is None:
+                s1 = _bound(t1, pending[1], done[1])
+                s2 = _bound(t2, pending[2], done[2])
+                if s1 < 0 and s2 < 0:
                     break
-                first, second = pair
-                got = first.take(1, guard)
-                if not got:  # nothing evictable left there: the rest from the other list
-                    got = second.take(left, guard)
-                    (to_b1 if second is t1 else to_b2).extend(got)
-                    taken += got
-                    left -= len(got)
-                    break
-                (to_b1 if first is t1 else to_b2).extend(got)
-                taken += got
+                side = 1 if s2 < 0 or 0 <= s1 <= s2 else 2
+                order = t1 if side == 1 else t2
+                candidate = pending[side]
+                if candidate is None:
+                    candidate = order.take_one(guard)
+                    if candidate is None:
+                        done[side] = True
+                    pending[side] = candidate
+                    continue  # its stamp is exact now: compare again
+                (to_b1 if side == 1 else to_b2).append(candidate[0])
+                taken.append(candidate[0])
+                pending[side] = None
                 left -= 1
+            if pending[1] is not None:
+                t1.put_back_last()
+            if pending[2] is not None:
+                t2.put_back_last()
         except BaseException:
             t1.end_search(undo=True)
             t2.end_search(undo=True)
@@ -228,15 +241,12 @@ class HybridPolicy(ARCPolicy):
         return self._arc_only_target
 
 
-def _older_first(t1: RecencyOrder, t2: RecencyOrder) -> tuple[RecencyOrder, RecencyOrder] | None:
-    """The list whose oldest key is older (T1 on a tie), then the other; None if both are
-    empty."""
-    s1, s2 = t1.oldest_stamp(), t2.oldest_stamp()
-    if s1 < 0 and s2 < 0:
-        return None
-    if s2 < 0 or 0 <= s1 <= s2:
-        return t1, t2
-    return t2, t1
+def _bound(order: RecencyOrder, pending: tuple[bytes, int] | None, done: bool) -> int:
+    """The stamp of ``order``'s next victim if taken (``pending``), else a lower bound of it
+    (its oldest key's stamp); -1 if it has none."""
+    if pending is not None:
+        return pending[1]
+    return -1 if done else order.oldest_stamp()
 
 
 def _stamped(order: RecencyOrder) -> list[tuple[bytes, int]]:
