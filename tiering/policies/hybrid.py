@@ -22,8 +22,10 @@ ghosts, keys only, trimmed as ARC trims them):
   the blocks the last one stored lose them (measured: 0.8 points at 1-2 % of the unique
   blocks).
 - **Victims.** While T1 holds more than ``p`` blocks, T1's least recent (a flood leaves
-  first, as in ARC). Otherwise the least recent of T1 and T2 together, as LRU would take: the
-  two lists share one clock, so their oldest blocks compare. This is where it departs from
+  first, as in ARC). Otherwise the least recent evictable, unprotected block of T1 and T2
+  together, as LRU would take: the two lists share one clock, so their stamps compare (a
+  block taken from one list and found newer than the other's is put back in its place). This
+  is where it departs from
   ARC, and why it matches LRU where LRU is near the optimum (caches of 10-20 % of the unique
   blocks).
 - **Prefix order.** The manager touches a request's blocks with the first most recent and
@@ -42,7 +44,8 @@ ghosts, keys only, trimmed as ARC trims them):
 
 Cost: ARC's machinery (:class:`~tiering.policies._order.RecencyOrder` lists sharing pins: O(1)
 amortized per key, a victim search never meets a pinned key). A victim taken while T1 is
-within its target costs two head peeks and a one-key search: O(1) amortized (stale heap
+within its target costs two head peeks and a one-key search (two searches and a put-back where
+a pinned or protected head was passed over): O(1) amortized (stale heap
 entries a peek drops were made by earlier calls, as in a search). The shadows add a CRC-32
 per key and, for the sampled keys, three ordered-dict caches' work.
 """
