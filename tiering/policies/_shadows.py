@@ -35,6 +35,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from tiering.policies.arc import trim_ghosts
+
 __all__ = ["RULES", "ShadowCache", "ShadowDuel"]
 
 #: The rules a shadow can run: hybrid's own, LRU's and ARC's (as :mod:`tiering.policies`).
@@ -131,34 +133,19 @@ class ShadowCache:
         if shortfall > 0:
             self._evict(shortfall)
         clock = self._clock
-        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)  # sizes kept here: len() adds up
         for key in missing:
             clock += 1
             if key in b1:
-                self.target = min(self.target + max(1.0, g2 / g1), float(capacity))
+                self.target = min(self.target + max(1.0, len(b2) / len(b1)), float(capacity))
                 del b1[key]
-                g1 -= 1
                 t2[key] = clock
-                n2 += 1
             elif key in b2:
-                self.target = max(self.target - max(1.0, g1 / g2), self._floor)
+                self.target = max(self.target - max(1.0, len(b1) / len(b2)), self._floor)
                 del b2[key]
-                g2 -= 1
                 t2[key] = clock
-                n2 += 1
             else:
                 t1[key] = clock
-                n1 += 1
-                held = n1 + n2
-                while g1 and n1 + g1 > capacity:  # ghosts trimmed as ARC trims them
-                    b1.popitem(last=False)
-                    g1 -= 1
-                while g2 and held + g1 + g2 > 2 * capacity:
-                    b2.popitem(last=False)
-                    g2 -= 1
-                while g1 and held + g1 > 2 * capacity:
-                    b1.popitem(last=False)
-                    g1 -= 1
+                trim_ghosts(b1, b2, len(t1), len(t1) + len(t2), capacity)
         self._clock = clock
 
     def _evict(self, count: int) -> None:

@@ -287,17 +287,27 @@ class ARCPolicy(EvictionPolicy):
         return self._target_t1_size
 
     def _trim_ghosts(self) -> None:
-        capacity, b1, b2 = self.capacity, self._b1, self._b2
         t1_size = self._t1.size
-        held = t1_size + self._t2.size
-        if t1_size + len(b1) <= capacity and held + len(b1) + len(b2) <= 2 * capacity:
-            return  # the usual case: nothing to trim
-        while b1 and t1_size + len(b1) > capacity:
-            b1.popitem(last=False)
-        while b2 and held + len(b1) + len(b2) > 2 * capacity:
-            b2.popitem(last=False)
-        while b1 and held + len(b1) > 2 * capacity:
-            b1.popitem(last=False)
+        trim_ghosts(self._b1, self._b2, t1_size, t1_size + self._t2.size, self.capacity)
+
+
+def trim_ghosts(
+    b1: OrderedDict[bytes, None],
+    b2: OrderedDict[bytes, None],
+    t1_size: int,
+    held_size: int,
+    capacity: int,
+) -> None:
+    """Drop the oldest ghosts until ``|T1| + |B1| <= capacity`` and all four lists hold at most
+    ``2 * capacity`` keys, as far as dropping ghosts allows (ARC's bounds)."""
+    if t1_size + len(b1) <= capacity and held_size + len(b1) + len(b2) <= 2 * capacity:
+        return  # the usual case: nothing to trim
+    while b1 and t1_size + len(b1) > capacity:
+        b1.popitem(last=False)
+    while b2 and held_size + len(b1) + len(b2) > 2 * capacity:
+        b2.popitem(last=False)
+    while b1 and held_size + len(b1) > 2 * capacity:
+        b1.popitem(last=False)
 
 
 def _first_held_or_repeated(keys: Sequence[bytes], held: set[bytes]) -> bytes:
