@@ -18,6 +18,7 @@ from tiering.policies._shadows import (
     MIN_LEAD,
     MIN_SHADOW_BLOCKS,
     RULES,
+    LRUShadow,
     ShadowCache,
     ShadowDuel,
     sample_bits,
@@ -139,8 +140,10 @@ def test_a_shadow_takes_the_victims_its_policy_takes(
 ) -> None:
     """Lockstep with the policy the shadow stands for, driven as the study drives it (touch
     the call's keys, evict for the missing ones, store them), nothing pinned or protected:
-    the same keys held, the same lists and ghosts, the same leading runs."""
+    the same keys held, the same lists and ghosts, the same leading runs; the duel's
+    :class:`LRUShadow` holds LRU's keys in LRU's eviction order."""
     shadow = ShadowCache(rule, capacity)
+    lru_shadow = LRUShadow(capacity)
     classes: dict[str, type[EvictionPolicy]] = {
         "lru": LRUPolicy,
         "arc": ARCPolicy,
@@ -160,7 +163,10 @@ def test_a_shadow_takes_the_victims_its_policy_takes(
             assert policy.evict(shortfall) is not None
         policy.insert_new(missing)
         assert shadow.refer(keys) == run
-        assert sorted(policy) == sorted([*shadow._t1, *shadow._t2])
+        assert sorted(policy) == sorted(shadow)
+        if rule == "lru":
+            assert lru_shadow.refer(keys) == run
+            assert list(lru_shadow) == list(policy)
         if isinstance(policy, ARCPolicy):
             assert policy.t1_keys == tuple(shadow._t1)
             assert policy.t2_keys == tuple(shadow._t2)

@@ -22,7 +22,9 @@ real cache follows the rule whose shadow leads.
 - **Light shadows.** A shadow is not the policy class it stands for but a few ordered dicts
   that take the same victims on the same calls when nothing is pinned or protected
   (:class:`ShadowCache`; tests drive both in lockstep): a shadow never pins, and the pin
-  machinery would cost more than the rule.
+  machinery would cost more than the rule. LRU's shadow is one ordered dict
+  (:class:`LRUShadow`): no LRU decision reads the lists or the ghosts. A store of keys none of
+  which is a ghost (the usual call) goes to T1 in one update and trims the ghosts once.
 - **Switching.** The lead must be at least :data:`MIN_LEAD` prefix hits and
   :data:`LEAD_SHARE` of the followed rule's score; ties keep the rule followed. Scores halve
   every :data:`HALF_LIFE_CAPACITIES` shadow capacities of sampled references, so a workload
@@ -31,13 +33,14 @@ real cache follows the rule whose shadow leads.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tiering.policies.arc import trim_ghosts
 
-__all__ = ["RULES", "ShadowCache", "ShadowDuel"]
+__all__ = ["RULES", "LRUShadow", "ShadowCache", "ShadowDuel"]
 
 #: The rules a shadow can run: hybrid's own, LRU's and ARC's (as :mod:`tiering.policies`).
 RULES = ("hybrid", "lru", "arc")
@@ -64,6 +67,57 @@ def sample_bits(capacity: int) -> int:
     return bits
 
 
+class LRUShadow:
+    """LRU over one ordered dict, nothing pinned: what :class:`ShadowCache` does under
+    ``"lru"`` (whose victim, the older of T1's and T2's heads, is the least recent key of
+    both), without the lists and ghosts no LRU decision reads. :meth:`refer` as there."""
+
+    __slots__ = ("_order", "capacity", "rule")
+
+    def __init__(self, capacity: int) -> None:
+        self.rule = "lru"
+        self.capacity = capacity
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Held keys, least recent first (the order they would be evicted in)."""
+        return iter(self._order)
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def refer(self, keys: Sequence[bytes]) -> int:
+        """Apply one call's references; return the leading run of keys held before it."""
+        order = self._order
+        missing = [key for key in keys if key not in order]
+        if len(missing) == len(keys):
+            run = 0
+        else:
+            run = len(keys)
+            for i, key in enumerate(keys):
+                if key not in order:
+                    run = i
+                    break
+            move = order.move_to_end
+            for key in reversed(keys):
+                if key in order:
+                    move(key)
+        if missing:
+            missing = missing[-self.capacity :]
+            shortfall = len(order) + len(missing) - self.capacity
+            pop = order.popitem
+            for _ in range(shortfall):
+                pop(last=False)
+            order.update(dict.fromkeys(missing))
+        return run
+
+
 class ShadowCache:
     """One rule over T1/T2 (stamps from one clock) and ghosts B1/B2, nothing pinned.
 
@@ -72,7 +126,8 @@ class ShadowCache:
     (victims by the rule, to their ghost list), then the missing stored (a ghost to T2 and the
     target moved as ARC moves it, other keys to T1), ghosts trimmed as ARC trims them.
     ``"lru"`` evicts the older head of T1 and T2; ``"arc"`` T1's head while ``|T1| > p``,
-    else T2's; ``"hybrid"`` T1's head while ``|T1| > p``, else the older head.
+    else T2's; ``"hybrid"`` T1's head while ``|T1| > p``, else the older head. (The duel runs
+    ``"lru"`` as :class:`LRUShadow`, which takes the same victims at less cost.)
     """
 
     __slots__ = ("_b1", "_b2", "_clock", "_floor", "_t1", "_t2", "capacity", "rule", "target")
@@ -97,32 +152,38 @@ class ShadowCache:
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
 
+    def __iter__(self) -> Iterator[bytes]:
+        """Held keys: T1's, then T2's, each least recent first."""
+        yield from self._t1
+        yield from self._t2
+
     def clear(self) -> None:
         self.__init__(self.rule, self.capacity)  # type: ignore[misc]
 
     def refer(self, keys: Sequence[bytes]) -> int:
         """Apply one call's references; return the leading run of keys held before it."""
         t1, t2 = self._t1, self._t2
-        run = 0
-        for key in keys:
-            if key not in t1 and key not in t2:
-                break
-            run += 1
-        clock = self._clock
-        missing = []
-        for key in reversed(keys):
-            if key in t2:
-                t2.move_to_end(key)
-            elif key in t1:
-                del t1[key]
-            else:
-                missing.append(key)
-                continue
-            clock += 1
-            t2[key] = clock
-        self._clock = clock
+        missing = [key for key in keys if key not in t1 and key not in t2]
+        if len(missing) == len(keys):  # the usual call of a store: nothing held
+            run = 0
+        else:
+            run = len(keys)
+            for i, key in enumerate(keys):
+                if key not in t1 and key not in t2:
+                    run = i
+                    break
+            clock = self._clock
+            for key in reversed(keys):
+                if key in t2:
+                    t2.move_to_end(key)
+                elif key in t1:
+                    del t1[key]
+                else:
+                    continue
+                clock += 1
+                t2[key] = clock
+            self._clock = clock
         if missing:
-            missing.reverse()
             self._store(missing[-self.capacity :])
         return run
 
@@ -133,6 +194,13 @@ class ShadowCache:
         if shortfall > 0:
             self._evict(shortfall)
         clock = self._clock
+        if b1.keys().isdisjoint(missing) and b2.keys().isdisjoint(missing):
+            # All to T1; one trim leaves the ghosts trimming after each key would (sizes only
+            # grow, so each bound drops the same oldest ghosts).
+            t1.update(zip(missing, range(clock + 1, clock + 1 + len(missing)), strict=True))
+            self._clock = clock + len(missing)
+            trim_ghosts(b1, b2, len(t1), len(t1) + len(t2), capacity)
+            return
         for key in missing:
             clock += 1
             if key in b1:
@@ -152,6 +220,12 @@ class ShadowCache:
         # A victim goes to its list's ghosts: |T1| + |B1| and the total stay, so no trimming.
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         rule, target = self.rule, self.target
+        if rule != "lru" and len(t1) > target:  # T1 over its target: its oldest, in one go
+            over = len(t1) - math.floor(target) if t2 else len(t1)
+            pop = t1.popitem
+            for _ in range(min(count, over)):
+                b1[pop(last=False)[0]] = None
+            count -= min(count, over)
         for _ in range(count):
             if not t2 or (t1 and rule != "lru" and len(t1) > target):
                 from_t1 = True
@@ -177,7 +251,10 @@ class ShadowDuel:
         shadow_capacity = max(1, capacity >> bits)
         self._mask = (1 << bits) - 1
         self._names = list(rules)
-        self._shadows = [ShadowCache(rule, shadow_capacity) for rule in rules]
+        self._shadows = [
+            LRUShadow(shadow_capacity) if rule == "lru" else ShadowCache(rule, shadow_capacity)
+            for rule in rules
+        ]
         self._scores = [0.0] * len(rules)
         self._lead = 0
         self._seen = 0
@@ -195,8 +272,7 @@ class ShadowDuel:
 
     def touched(self, keys: Sequence[bytes]) -> None:
         """The engine loaded ``keys`` (prefix order): a reference to each."""
-        mask = self._mask
-        sampled = [k for k in keys if not zlib.crc32(k) & mask] if mask else list(keys)
+        sampled = self._sample(keys)
         self._touched = frozenset(sampled)
         if sampled:
             self._refer(sampled)
@@ -204,11 +280,8 @@ class ShadowDuel:
     def stored(self, keys: Sequence[bytes]) -> None:
         """``keys`` (prefix order) were missing and are stored: a reference to each not
         referred to by the last :meth:`touched`."""
-        mask, touched = self._mask, self._touched
-        if mask:
-            sampled = [k for k in keys if not zlib.crc32(k) & mask]
-        else:
-            sampled = list(keys)
+        sampled = self._sample(keys)
+        touched = self._touched
         if touched:
             sampled = [k for k in sampled if k not in touched]
             self._touched = frozenset()
@@ -223,14 +296,27 @@ class ShadowDuel:
         self._seen = 0
         self._touched = frozenset()
 
+    def _sample(self, keys: Sequence[bytes]) -> list[bytes]:
+        mask = self._mask
+        if not mask:
+            return list(keys)
+        crc32 = zlib.crc32
+        return [key for key in keys if not crc32(key) & mask]
+
     def _refer(self, keys: list[bytes]) -> None:
         scores = self._scores
+        gained = False
         for i, shadow in enumerate(self._shadows):
-            scores[i] += shadow.refer(keys)
+            run = shadow.refer(keys)
+            if run:
+                scores[i] += run
+                gained = True
         self._seen += len(keys)
         if self._seen >= self._half:
             self._seen = 0
             self._scores = scores = [s / 2 for s in scores]
+        if not gained:
+            return  # halving alone never gives another rule the lead
         lead = self._lead
         best = max(range(len(scores)), key=scores.__getitem__)
         if best != lead and scores[best] - scores[lead] >= max(MIN_LEAD, LEAD_SHARE * scores[lead]):
