@@ -8,9 +8,11 @@ the requests' block keys in prefix order:
    the first missing one);
 2. ``touch(keys)`` (the manager's touch on a load: ``keys[0]`` ends most recent; absent keys
    are ignored);
-3. the missing keys are stored: ``evict(shortfall, protected=set(keys))`` (unprotected if that
-   fails), then ``insert_new(missing)`` in prefix order. A request with more missing keys than
-   the tier holds stores them in chunks of the capacity, as demand paging would.
+3. the missing keys are stored: ``note_misses(missing)`` (a policy that adapts on misses,
+   as ``arc_vllm`` does, learns of them before the eviction, as from the manager),
+   ``evict(shortfall, protected=set(keys))`` (unprotected if that fails), then
+   ``insert_new(missing)`` in prefix order. A request with more missing keys than the tier
+   holds stores them in chunks of the capacity, as demand paging would.
 
 Belady's MIN runs on the same requests, each looked up whole before its misses are stored
 (:func:`tiering.replay.belady.belady_request_hits`): it bounds every policy's block hits here
@@ -21,11 +23,12 @@ Secondary tiers. With a config, each secondary tier is modelled with its own pol
 the tiers in order (a hit there is served, *promoted*, and not written again); a block no tier
 served is written to each ``write_through`` tier that does not hold it, to each
 ``write_through_selective`` tier once it was looked up ``selective_min_lookups`` times, and to
-each ``write_back`` tier when the CPU evicts it. Admission: a selective tier's
-``selective_min_lookups`` is its gate, and ``admission_min_count`` adds a count-min sketch
-(:mod:`tiering.policies.admission`, sized as the running tier sizes it) to a tier, recording
-each key looked up in it; the study reports the bytes written per served block with the gates
-and without them (every gated tier written through).
+each ``write_back`` tier when the CPU evicts it; a request's writes to a tier are one store, as
+the tier's index reserves one (``note_misses``, ``evict``, ``insert_new``). Admission: a
+selective tier's ``selective_min_lookups`` is its gate, and ``admission_min_count`` adds a
+count-min sketch (:mod:`tiering.policies.admission`, sized as the running tier sizes it) to a
+tier, recording each key looked up in it; the study reports the bytes written per served
+block with the gates and without them (every gated tier written through).
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def simulate_cpu(
         run.victims = [[] for _ in key_lists] if record_victims else []
         return run
     contains, touch = policy.__contains__, policy.touch
-    evict, insert_new = policy.evict, policy.insert_new
+    evict, insert_new, note_misses = policy.evict, policy.insert_new, policy.note_misses
     position = 0
     for keys in key_lists:
         missing: list[bytes] = []
@@ -165,6 +168,7 @@ def simulate_cpu(
         protected = set(keys)
         for start in range(0, len(missing), capacity):
             chunk = missing[start : start + capacity]
+            note_misses(chunk)  # before the eviction, as the manager calls it
             shortfall = len(policy) + len(chunk) - capacity
             if shortfall > 0:
                 taken = evict(shortfall, protected)
@@ -215,30 +219,50 @@ def _simulate_tiers(
         for t in tiers
     ]
     counts = [{"served_blocks": 0, "written_blocks": 0} for _ in tiers]
+    # Each tier's held keys, kept from what its policy inserts and evicts (a touch moves
+    # none): a set probe costs a tenth of a policy's ``__contains__``, on every CPU miss.
+    helds: list[set[bytes]] = [set() for _ in tiers]
+    count_lookups = gated and any(t.write_policy == "write_through_selective" for t in tiers)
     lookups: dict[bytes, int] = {}
+    flags = cpu.flags
     position = 0
 
-    def write(i: int, key: bytes) -> None:
-        policy = policies[i]
-        if key in policy or policy.capacity == 0:
+    def write(i: int, keys: list[bytes]) -> None:
+        # A request's keys as one store, as the tier's index reserves one: the absent keys
+        # noted as misses, room evicted, then inserted; in chunks of the capacity, a later
+        # chunk free to evict an earlier one, as an engine's later steps' stores are.
+        policy, held = policies[i], helds[i]
+        capacity = policy.capacity
+        to_write = [key for key in keys if key not in held]
+        if not to_write or capacity == 0:
             return
-        if len(policy) >= policy.capacity and policy.evict(1) is None:
-            return
-        policy.insert(key)
-        counts[i]["written_blocks"] += 1
+        for start in range(0, len(to_write), capacity):
+            chunk = to_write[start : start + capacity]
+            policy.note_misses(chunk)
+            shortfall = len(policy) + len(chunk) - capacity
+            if shortfall > 0:
+                victims = policy.evict(shortfall)
+                if victims is None:
+                    continue
+                held.difference_update(victims)
+            policy.insert_new(chunk)
+            held.update(chunk)
+            counts[i]["written_blocks"] += len(chunk)
 
+    tier_range = range(len(tiers))
     for r, keys in enumerate(trace.key_lists):
         computed: list[bytes] = []
         for i, key in enumerate(keys):
-            if cpu.flags[position + i]:
+            if flags[position + i]:
                 continue
-            lookups[key] = lookups.get(key, 0) + 1
-            for t, policy in enumerate(policies):
+            if count_lookups:
+                lookups[key] = lookups.get(key, 0) + 1
+            for t in tier_range:
                 gate = gates[t]
                 if gate is not None:
                     gate.record(key)
-                if key in policy:
-                    policy.touch([key])
+                if key in helds[t]:
+                    policies[t].touch([key])
                     counts[t]["served_blocks"] += 1
                     served[position + i] = 1
                     break
@@ -253,9 +277,10 @@ def _simulate_tiers(
                 offered = [k for k in computed if lookups[k] >= tier.selective_min_lookups]
             else:
                 offered = computed
-            for key in offered:
-                if gate is None or gate.admits(key):
-                    write(t, key)
+            if gate is not None:
+                offered = [key for key in offered if gate.admits(key)]
+            if offered:
+                write(t, offered)
     return served, counts
 
 
