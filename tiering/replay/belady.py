@@ -43,6 +43,7 @@ Prefix hits
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -248,40 +249,75 @@ def belady_request_hits(key_lists: Sequence[Sequence[Hashable]], capacity: int) 
 
 
 def _belady_request_hit_flags(key_lists: Sequence[Sequence[Hashable]], capacity: int) -> bytearray:
-    flat = [key for keys in key_lists for key in keys]
-    n = len(flat)
-    flags = bytearray(n)
-    if capacity == 0:
+    return RequestMIN(key_lists).hit_flags(capacity)
+
+
+class RequestMIN:
+    """MIN over requests (:func:`belady_request_hits`) for any capacity of one trace.
+
+    What does not depend on the capacity is computed once, in arrays of 8 bytes per access
+    (lists of Python ints would take 36): each access's next use and the request of that next
+    use. A study of five capacities runs it once instead of five times.
+    """
+
+    __slots__ = ("_flat", "_key_lists", "_next_request", "_next_use")
+
+    def __init__(self, key_lists: Sequence[Sequence[Hashable]]) -> None:
+        self._key_lists = key_lists
+        flat = [key for keys in key_lists for key in keys]
+        n = len(flat)
+        never = len(key_lists)  # beyond every request: "never again", distinct by position
+        next_use = array("q", bytes(8 * n))
+        next_request = array("q", bytes(8 * n))
+        seen: dict[Hashable, int] = {}  # key -> its next access, as request * n + position
+        i = n
+        for r in range(len(key_lists) - 1, -1, -1):
+            for _ in key_lists[r]:
+                i -= 1
+                key = flat[i]
+                later = seen.get(key)
+                if later is None:
+                    next_use[i] = n + i
+                    next_request[i] = never + i
+                else:
+                    next_request[i], next_use[i] = divmod(later, n)
+                seen[key] = r * n + i
+        self._flat = flat
+        self._next_use = next_use
+        self._next_request = next_request
+
+    def hit_flags(self, capacity: int) -> bytearray:
+        """One flag per access: held when its request looked the cache up."""
+        flat, next_use, next_request = self._flat, self._next_use, self._next_request
+        flags = bytearray(len(flat))
+        if capacity == 0:
+            return flags
+        held: set[Hashable] = set()
+        # Entries (-next request using the key, -next position, key): the position breaks
+        # ties, so keys are never compared. A key's entry is live iff its next request lies
+        # after the current one; every held key has exactly one live entry (pushed at its
+        # last access).
+        heap: list[tuple[int, int, Hashable]] = []
+        push, pop = heapq.heappush, heapq.heappop
+        start = 0
+        for r, keys in enumerate(self._key_lists):
+            end = start + len(keys)
+            if len(heap) > _MIN_HEAP_TO_COMPACT and len(heap) > 2 * len(held):
+                heap = [entry for entry in heap if -entry[0] >= r]
+                heapq.heapify(heap)
+            for i in range(start, end):  # the request finds the cache as the last one left it
+                if flat[i] in held:
+                    flags[i] = 1
+            for i in range(start, end):
+                held.add(flat[i])
+                # Ties (one later request): the deeper block goes first, as a prefix wants.
+                push(heap, (-next_request[i], -next_use[i], flat[i]))
+            while len(held) > capacity:  # keep the blocks asked for soonest
+                entry = pop(heap)
+                if -entry[0] > r:
+                    held.remove(entry[2])
+            start = end
         return flags
-    next_use = _next_uses(flat)
-    request_of = [r for r, keys in enumerate(key_lists) for _ in keys]
-    never = len(key_lists)  # beyond every request: "never again", distinct by position below
-    held: set[Hashable] = set()
-    # Entries (-next request using the key, -next position, key): the position breaks ties,
-    # so keys are never compared. A key's entry is live iff its next request lies after the current
-    # one; every held key has exactly one live entry (pushed at its last access).
-    heap: list[tuple[int, int, Hashable]] = []
-    push, pop = heapq.heappush, heapq.heappop
-    start = 0
-    for r, keys in enumerate(key_lists):
-        end = start + len(keys)
-        if len(heap) > _MIN_HEAP_TO_COMPACT and len(heap) > 2 * len(held):
-            heap = [entry for entry in heap if -entry[0] >= r]
-            heapq.heapify(heap)
-        for i in range(start, end):  # the request finds the cache as the last one left it
-            if flat[i] in held:
-                flags[i] = 1
-        for i in range(start, end):
-            j = next_use[i]
-            held.add(flat[i])
-            # Ties (one later request): the deeper block goes first, as a prefix wants.
-            push(heap, (-(request_of[j] if j < n else never + i), -j, flat[i]))
-        while len(held) > capacity:  # keep the blocks asked for soonest
-            entry = pop(heap)
-            if -entry[0] > r:
-                held.remove(entry[2])
-        start = end
-    return flags
 
 
 def _policy_hit_flags(factory: PolicyFactory) -> _HitFlags:

@@ -42,7 +42,7 @@ from tiering.errors import TieringError
 from tiering.policies import get_policy_class
 from tiering.policies.admission import FrequencyGate, default_width
 from tiering.policies.base import EvictionPolicy
-from tiering.replay.belady import _belady_request_hit_flags
+from tiering.replay.belady import RequestMIN
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
 from tiering.replay.progress import ProgressBar
 
@@ -301,11 +301,12 @@ def run_study(
     record_victims = any(t.write_policy == "write_back" for t in tiers)
     prompt_tokens = sum(trace.input_tokens)
     rows: list[dict[str, Any]] = []
+    request_min = RequestMIN(key_lists) if "belady" in names else None
     with ProgressBar(len(capacities) * len(names), "policy study", enabled=progress) as bar:
         for capacity in capacities:
             for name in names:
-                if name == "belady":
-                    cpu = _CpuRun(_belady_request_hit_flags(key_lists, capacity))
+                if request_min is not None and name == "belady":
+                    cpu = _CpuRun(request_min.hit_flags(capacity))
                 else:
                     policy = get_policy_class(name)(capacity)
                     cpu = simulate_cpu(policy, key_lists, record_victims=record_victims)
