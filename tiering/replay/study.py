@@ -102,7 +102,7 @@ def study_trace_from_blocks(
     trie = PrefixTrie()
     study_tokens = block_tokens * ids_per_block
     groups: dict[tuple[int, ...], int] = {}  # a group of ids as one id: k times fewer nodes
-    node_lists = []
+    node_lists: list[list[int]] = []
     for r in requests:
         ids = r.block_ids[: r.input_tokens // study_tokens * ids_per_block]
         if ids_per_block > 1:
@@ -112,7 +112,9 @@ def study_trace_from_blocks(
                 for i in range(0, len(ids) - k + 1, k)
             )
         node_lists.append(trie.keys(ids))
-    names = [i.to_bytes(8, "little") for i in range(len(trie))]
+    node_count = len(trie)
+    del trie, groups  # the largest structures here: gone before the names are made
+    names = [i.to_bytes(8, "little") for i in range(node_count)]
     return StudyTrace(
         [[names[n] for n in nodes] for nodes in node_lists],
         [r.input_tokens for r in requests],
