@@ -16,6 +16,7 @@ from tiering.replay.block_trace import (
     QWEN_BAILIAN,
     BlockRequest,
     block_trace_format,
+    open_block_trace,
     read_block_trace,
 )
 from tiering.replay.study import run_study, study_trace_from_blocks
@@ -165,3 +166,34 @@ def test_bench_policies_judges_a_trace_file_as_the_generated_ones(
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 2 + 5
     assert table[4].startswith(f"| {SAMPLE} | - | 1 | 5% |") and table[4].endswith("| NO |")
+
+
+def _relabelled(key_lists: list[list[bytes]]) -> list[list[int]]:
+    labels: dict[bytes, int] = {}
+    return [[labels.setdefault(k, len(labels)) for k in keys] for keys in key_lists]
+
+
+def test_the_study_reads_a_file_as_it_comes_and_orders_it_by_arrival() -> None:
+    # The sample's lines are out of arrival order (line 4 before line 2): streamed in file
+    # order, the study's keys are still those of the sorted trace, the first 3 by arrival.
+    tokens, fmt, lines = open_block_trace(SAMPLE)
+    assert (tokens, fmt) == (16, QWEN_BAILIAN)
+    streamed = study_trace_from_blocks(lines, tokens, max_requests=3)
+    blocks = read_block_trace(SAMPLE)
+    whole = study_trace_from_blocks(blocks.requests[:3], blocks.block_tokens)
+    assert _relabelled(streamed.key_lists) == _relabelled(whole.key_lists)
+    assert streamed.input_tokens == whole.input_tokens == [40, 32, 72]
+
+
+def test_a_bad_line_met_while_streaming_names_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    good = {"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}
+    trace.write_text(json.dumps(good) + "\n" + json.dumps({**good, "input_length": -1}) + "\n")
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", str(trace), "--json"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:2" in err and "input_length" in err

@@ -82,6 +82,7 @@ __all__ = [
     "block_summary",
     "block_trace_format",
     "is_mooncake_file",
+    "open_block_trace",
     "read_block_trace",
     "read_mooncake",
     "to_requests",
@@ -179,12 +180,31 @@ def read_block_trace(path: str | os.PathLike[str], block_tokens: int | None = No
     its first line), and ``ConfigurationError`` for a bad ``block_tokens``. Request ids are
     ``"line{N}"``.
     """
+    tokens, fmt, lines = open_block_trace(path, block_tokens)
+    requests = list(lines)
+    requests.sort(key=lambda r: r.arrival_s)
+    return BlockTrace(requests, tokens, fmt)
+
+
+def open_block_trace(
+    path: str | os.PathLike[str], block_tokens: int | None = None
+) -> tuple[int, BlockTraceFormat, Iterator[BlockRequest]]:
+    """A block-trace file's tokens per id and format, and its requests in **file order**, read
+    as they are iterated (a reader that keeps less than every request, as the policy study,
+    never holds them all).
+
+    The file's existence, format and ``block_tokens`` are checked at once (errors as
+    :func:`read_block_trace`); a bad line raises its :class:`TraceError` when it is reached.
+    """
     trace_path = Path(path)
     if not trace_path.is_file():
         raise FileNotFoundError(errno.ENOENT, "no such trace file", str(trace_path))
     fmt = block_trace_format(trace_path) or MOONCAKE
     tokens = fmt.block_tokens if block_tokens is None else _check_block_tokens(block_tokens)
-    requests: list[BlockRequest] = []
+    return tokens, fmt, _requests_of(trace_path, fmt, tokens)
+
+
+def _requests_of(trace_path: Path, fmt: BlockTraceFormat, tokens: int) -> Iterator[BlockRequest]:
     with trace_path.open("rb") as file:
         for line_number, raw in enumerate(file, start=1):
             try:
@@ -198,13 +218,12 @@ def read_block_trace(path: str | os.PathLike[str], block_tokens: int | None = No
             if not text.strip():
                 continue
             try:
-                requests.append(_parse_line(text, f"line{line_number}", fmt, tokens))
+                request = _parse_line(text, f"line{line_number}", fmt, tokens)
             except TraceError as exc:
                 raise TraceError(
                     exc.reason, field=exc.field, path=str(trace_path), line=line_number
                 ) from None
-    requests.sort(key=lambda r: r.arrival_s)
-    return BlockTrace(requests, tokens, fmt)
+            yield request
 
 
 def _parse_line(

@@ -33,8 +33,9 @@ block with the gates and without them (every gated tier written through).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,10 +91,18 @@ def ids_per_block(study_block_tokens: int | None, block_tokens: int) -> int:
 
 
 def study_trace_from_blocks(
-    requests: Sequence[BlockRequest], block_tokens: int, ids_per_block: int = 1
+    requests: Iterable[BlockRequest],
+    block_tokens: int,
+    ids_per_block: int = 1,
+    *,
+    max_requests: int | None = None,
 ) -> StudyTrace:
     """Keys of a block trace: ids chained along each prompt (:class:`PrefixTrie`). A prompt's
     partial last block is dropped: an engine hashes, stores and reuses full blocks only.
+
+    ``requests`` may come in any order and be read as they come (as
+    :func:`~tiering.replay.block_trace.open_block_trace` reads a file): only their keys are
+    kept, and the study's order is by arrival (stable), of which the first ``max_requests``.
 
     With ``ids_per_block`` > 1, that many consecutive ids of ``block_tokens`` make one study
     block (an engine that offloads larger blocks than the trace's ids: a 16-token trace
@@ -103,6 +112,8 @@ def study_trace_from_blocks(
     study_tokens = block_tokens * ids_per_block
     groups: dict[tuple[int, ...], int] = {}  # a group of ids as one id: k times fewer nodes
     node_lists: list[list[int]] = []
+    arrivals: list[float] = []
+    input_tokens: list[int] = []
     for r in requests:
         ids = r.block_ids[: r.input_tokens // study_tokens * ids_per_block]
         if ids_per_block > 1:
@@ -112,12 +123,18 @@ def study_trace_from_blocks(
                 for i in range(0, len(ids) - k + 1, k)
             )
         node_lists.append(trie.keys(ids))
+        arrivals.append(r.arrival_s)
+        input_tokens.append(r.input_tokens)
     node_count = len(trie)
     del trie, groups  # the largest structures here: gone before the names are made
+    order: Sequence[int] = range(len(node_lists))
+    if any(later < earlier for earlier, later in itertools.pairwise(arrivals)):
+        order = sorted(order, key=arrivals.__getitem__)
+    order = order[:max_requests]
     names = [i.to_bytes(8, "little") for i in range(node_count)]
     return StudyTrace(
-        [[names[n] for n in nodes] for nodes in node_lists],
-        [r.input_tokens for r in requests],
+        [[names[n] for n in node_lists[i]] for i in order],
+        [input_tokens[i] for i in order],
         study_tokens,
     )
 

@@ -26,7 +26,7 @@ from tiering.config import WORKLOAD_TRACES, TierConfig, TieringConfig, load_conf
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import available_policies, get_policy_class
-from tiering.replay.block_trace import block_trace_format, read_block_trace
+from tiering.replay.block_trace import block_trace_format, open_block_trace
 from tiering.replay.study import (
     StudyTrace,
     TierModel,
@@ -64,11 +64,9 @@ def load_study_trace(
         if not path.is_file():
             raise TieringError(f"--trace: no such file {trace!r}")
         if block_trace_format(path) is not None:
-            blocks = read_block_trace(path, block_tokens)
-            group = ids_per_block(study_block_tokens, blocks.block_tokens)
-            return study_trace_from_blocks(
-                blocks.requests[:max_requests], blocks.block_tokens, group
-            )
+            tokens, _, requests_read = open_block_trace(path, block_tokens)
+            group = ids_per_block(study_block_tokens, tokens)
+            return study_trace_from_blocks(requests_read, tokens, group, max_requests=max_requests)
         requests = list(read_jsonl(path))
     else:
         requests = builtin_trace(trace, scale=scale, seed=seed)
