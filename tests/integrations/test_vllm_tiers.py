@@ -598,3 +598,32 @@ def test_a_tier_that_does_not_open_within_its_deadline_fails_the_start_naming_it
     assert answered, "the start waited for a tier that never opened"
     assert len(raised) == 1 and isinstance(raised[0], BackendError)
     assert re.search(r"tier 'hung': .* did not open within io_timeout_s=0.2 s", str(raised[0]))
+
+
+def test_a_tier_notes_its_misses_before_evicting_for_them(
+    tmp_path: Path, drivers: list[ManagerDriver]
+) -> None:
+    # EvictionPolicy's protocol: note_misses(keys) before the eviction that makes room for
+    # them (vLLM's ARC, arc_vllm, moves its target there), as tiering's own tiers call it.
+    from recording_policy import RecordingLRU
+
+    RecordingLRU.calls.clear()
+    tier = file_tier(tmp_path, blocks=2, policy="recording_policy:RecordingLRU")
+    driver = start(drivers, [tier])
+    a, b = keys_for("a", 2), keys_for("b", 2)
+    for name, keys in (("r1", a), ("r2", b)):
+        context = driver.new_request(name)
+        driver.store(context, keys)
+        driver.finish_request(context)
+        driver.drain_tiers()
+    noted: set[bytes] = set()
+    for kind, call_keys in RecordingLRU.calls:
+        if kind == "note_misses":
+            noted = set(call_keys)
+        elif call_keys:  # an eviction makes room for, an insert writes, keys noted as missed
+            assert noted, (kind, call_keys)
+            if kind == "insert":
+                assert set(call_keys) <= noted
+    inserted = {k for kind, call_keys in RecordingLRU.calls if kind == "insert" for k in call_keys}
+    assert inserted == {bytes(k) for k in a + b}
+    assert any(kind == "evict" and call_keys for kind, call_keys in RecordingLRU.calls)

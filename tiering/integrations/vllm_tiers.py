@@ -261,6 +261,7 @@ class TieringSecondaryTier(SecondaryTierManager):
             self._stats.increase_counter(TieringTierMetrics.SHED_BLOCKS, len(to_write), self._label)
             self._start(job_metadata.job_id, True, [], to_write, [], [])
             return
+        self._policy.note_misses(to_write)  # the protocol: before the eviction for them
         victims = self._evict_for(len(to_write), protected=keys)
         if victims is None:
             self._stats.increase_counter(TieringTierMetrics.SHED_BLOCKS, len(to_write), self._label)
