@@ -38,7 +38,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from tiering.policies.arc import trim_ghosts
+from tiering.policies.arc import ghost_hit_target, trim_ghosts
 
 __all__ = ["RULES", "LRUShadow", "ShadowCache", "ShadowDuel"]
 
@@ -203,13 +203,12 @@ class ShadowCache:
             return
         for key in missing:
             clock += 1
-            if key in b1:
-                self.target = min(self.target + max(1.0, len(b2) / len(b1)), float(capacity))
-                del b1[key]
-                t2[key] = clock
-            elif key in b2:
-                self.target = max(self.target - max(1.0, len(b1) / len(b2)), self._floor)
-                del b2[key]
+            if key in b1 or key in b2:
+                from_b1 = key in b1
+                self.target = ghost_hit_target(
+                    self.target, from_b1, len(b1), len(b2), capacity, self._floor
+                )
+                del (b1 if from_b1 else b2)[key]
                 t2[key] = clock
             else:
                 t1[key] = clock

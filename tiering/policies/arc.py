@@ -118,15 +118,12 @@ class ARCPolicy(EvictionPolicy):
             check_insert_key(key)
         b1, b2 = self._b1, self._b2
         # Ghosts and held keys are disjoint: a ghost hit needs no presence check.
-        if key in b1:
-            step = max(1.0, len(b2) / len(b1))
-            self._target_t1_size = min(self._target_t1_size + step, float(self.capacity))
-            del b1[key]
-            self._t2.add(key, evictable)
-        elif key in b2:
-            step = max(1.0, len(b1) / len(b2))
-            self._target_t1_size = max(self._target_t1_size - step, self._target_floor)
-            del b2[key]
+        if key in b1 or key in b2:
+            from_b1 = key in b1
+            self._target_t1_size = ghost_hit_target(
+                self._target_t1_size, from_b1, len(b1), len(b2), self.capacity, self._target_floor
+            )
+            del (b1 if from_b1 else b2)[key]
             self._t2.add(key, evictable)
         else:
             if key in self._t2 or not self._t1.add_new(key, evictable):
@@ -156,13 +153,13 @@ class ARCPolicy(EvictionPolicy):
         to_t2: list[bytes] = []
         for key in keys:
             if key in b1:
-                p = min(p + max(1.0, b2_size / b1_size), float(capacity))
+                p = ghost_hit_target(p, True, b1_size, b2_size, capacity, self._target_floor)
                 del b1[key]
                 b1_size -= 1
                 to_t2.append(key)
                 t2_size += 1
             elif key in b2:
-                p = max(p - max(1.0, b1_size / b2_size), self._target_floor)
+                p = ghost_hit_target(p, False, b1_size, b2_size, capacity, self._target_floor)
                 del b2[key]
                 b2_size -= 1
                 to_t2.append(key)
@@ -289,6 +286,17 @@ class ARCPolicy(EvictionPolicy):
     def _trim_ghosts(self) -> None:
         t1_size = self._t1.size
         trim_ghosts(self._b1, self._b2, t1_size, t1_size + self._t2.size, self.capacity)
+
+
+def ghost_hit_target(
+    target: float, from_b1: bool, b1_size: int, b2_size: int, capacity: int, floor: float
+) -> float:
+    """ARC's target for T1 after a ghost hit: a B1 hit (new blocks left too early) raises it
+    by ``max(1, |B2| / |B1|)`` up to ``capacity``, a B2 hit lowers it by ``max(1, |B1| / |B2|)``
+    down to ``floor``. Sizes are the ghost lists' before the hit key leaves its list."""
+    if from_b1:
+        return min(target + max(1.0, b2_size / b1_size), float(capacity))
+    return max(target - max(1.0, b1_size / b2_size), floor)
 
 
 def trim_ghosts(

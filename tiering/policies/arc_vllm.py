@@ -31,7 +31,7 @@ from tiering.policies._checks import (
     check_touch_keys,
     protected_set,
 )
-from tiering.policies.arc import ARCPolicy
+from tiering.policies.arc import ARCPolicy, ghost_hit_target
 
 __all__ = ["VLLMARCPolicy"]
 
@@ -137,11 +137,9 @@ class VLLMARCPolicy(ARCPolicy):
 
     def _adapt_to_ghost(self, key: bytes) -> None:
         b1, b2 = self._b1, self._b2
-        if key in b1:
-            step = max(1.0, len(b2) / len(b1))
-            self._target_t1_size = min(self._target_t1_size + step, float(self.capacity))
-            b1.move_to_end(key)
-        elif key in b2:
-            step = max(1.0, len(b1) / len(b2))
-            self._target_t1_size = max(self._target_t1_size - step, 0.0)
-            b2.move_to_end(key)
+        if key in b1 or key in b2:
+            from_b1 = key in b1
+            self._target_t1_size = ghost_hit_target(
+                self._target_t1_size, from_b1, len(b1), len(b2), self.capacity, 0.0
+            )
+            (b1 if from_b1 else b2).move_to_end(key)

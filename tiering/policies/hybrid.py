@@ -68,7 +68,7 @@ from tiering.policies._checks import (
 )
 from tiering.policies._order import RecencyOrder
 from tiering.policies._shadows import RULES, ShadowDuel
-from tiering.policies.arc import ARCPolicy
+from tiering.policies.arc import ARCPolicy, ghost_hit_target
 
 __all__ = ["HybridPolicy"]
 
@@ -131,12 +131,10 @@ class HybridPolicy(ARCPolicy):
         if type(key) is not bytes:
             check_insert_key(key)
         b1, b2 = self._b1, self._b2
-        if key in b1:  # ARC's own target moves as ARC would move it
-            step = max(1.0, len(b2) / len(b1))
-            self._arc_only_target = min(self._arc_only_target + step, float(self.capacity))
-        elif key in b2:
-            step = max(1.0, len(b1) / len(b2))
-            self._arc_only_target = max(self._arc_only_target - step, 0.0)
+        if key in b1 or key in b2:  # ARC's own target moves as ARC would move it
+            self._arc_only_target = ghost_hit_target(
+                self._arc_only_target, key in b1, len(b1), len(b2), self.capacity, 0.0
+            )
         self._t1.sync_clock(self._t2)
         super().insert(key, evictable)
 
@@ -196,30 +194,29 @@ class HybridPolicy(ARCPolicy):
             # A list's oldest stamp is a lower bound of its first such key's: a key is taken
             # (its stamp then exact) only from the list that may hold the older one, and a key
             # taken but not chosen is put back in its place.
-            pending: dict[int, tuple[bytes, int] | None] = {1: None, 2: None}
-            done = {1: False, 2: False}
+            orders, victims = (t1, t2), (to_b1, to_b2)
+            pending: list[tuple[bytes, int] | None] = [None, None]  # per list: taken, not chosen
+            done = [False, False]  # per list: nothing evictable left
             while left:
-                s1 = _bound(t1, pending[1], done[1])
-                s2 = _bound(t2, pending[2], done[2])
+                s1 = _bound(t1, pending[0], done[0])
+                s2 = _bound(t2, pending[1], done[1])
                 if s1 < 0 and s2 < 0:
                     break
-                side = 1 if s2 < 0 or 0 <= s1 <= s2 else 2
-                order = t1 if side == 1 else t2
+                side = 0 if s2 < 0 or 0 <= s1 <= s2 else 1
                 candidate = pending[side]
                 if candidate is None:
-                    candidate = order.take_one(guard)
+                    candidate = orders[side].take_one(guard)
                     if candidate is None:
                         done[side] = True
                     pending[side] = candidate
                     continue  # its stamp is exact now: compare again
-                (to_b1 if side == 1 else to_b2).append(candidate[0])
+                victims[side].append(candidate[0])
                 taken.append(candidate[0])
                 pending[side] = None
                 left -= 1
-            if pending[1] is not None:
-                t1.put_back_last()
-            if pending[2] is not None:
-                t2.put_back_last()
+            for order, held_back in zip(orders, pending, strict=True):
+                if held_back is not None:
+                    order.put_back_last()
         except BaseException:
             t1.end_search(undo=True)
             t2.end_search(undo=True)
