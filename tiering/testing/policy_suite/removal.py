@@ -1,5 +1,5 @@
-"""``PolicyTests``, removal: all-or-nothing ``evict`` (a failed one changes nothing), ``remove``
-and ``clear``.
+"""``PolicyTests``, removal: all-or-nothing ``evict`` (a failed one changes nothing, misses noted
+for it included), ``remove`` and ``clear``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,30 @@ class PolicyRemovalTests(PolicyTestsBase):
         assert policy_state(policy) == policy_state(twin)
         assert evict_one_by_one(policy) == evict_one_by_one(twin)
         assert policy_state(policy) == policy_state(twin)
+
+    def test_misses_noted_for_a_store_that_is_dropped_change_no_held_key(
+        self, policy_factory: PolicyFactory
+    ) -> None:
+        # A manager notes a store's misses before the eviction for them; when that eviction
+        # fails (every held key pinned) the store is dropped and nothing is inserted.
+        policy = policy_factory(6)
+        keys = fill(policy, 6)
+        policy.touch([keys[2]])
+        assert policy.evict(2) is not None  # ghosts, for a policy that keeps them
+        held = sorted(policy)
+        missed = [*(k for k in keys if k not in policy), policy_key(50)]
+        policy.set_evictable_many(held, False)
+        policy.note_misses(missed)
+        assert policy.evict(1) is None
+        assert sorted(policy) == held and len(policy) == len(held)
+        assert not any(key in policy for key in missed)
+        # Noted again, the store goes through later, evicting only held keys.
+        policy.set_evictable_many(held, True)
+        policy.note_misses(missed[:2])
+        victims = policy.evict(2)
+        assert victims is not None and set(victims) <= set(held)
+        policy.insert_new(missed[:2])
+        assert set(missed[:2]) <= set(policy) and len(policy) == len(held)
 
     # -- remove and clear -------------------------------------------------------------------
 
