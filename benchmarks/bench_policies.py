@@ -29,6 +29,7 @@ from tiering.replay.block_trace import read_block_trace
 from tiering.replay.study import (
     StudyTrace,
     capacities_for,
+    gap_closed,
     ids_per_block,
     run_study,
     study_trace_from_blocks,
@@ -72,10 +73,7 @@ def bench_study(trace: StudyTrace, name: str, seed: object) -> list[dict[str, ob
 
 
 def _gap(row: dict[str, object], policy: str) -> float | None:
-    lru, best = float(row["lru"]), float(row["belady"])  # type: ignore[arg-type]
-    if best - lru < 1e-9:
-        return None
-    return (float(row[policy]) - lru) / (best - lru)  # type: ignore[arg-type]
+    return gap_closed(float(row[policy]), float(row["lru"]), float(row["belady"]))  # type: ignore[arg-type]
 
 
 def print_table(rows: list[dict[str, object]]) -> None:

@@ -23,7 +23,7 @@ from tiering.replay.block_trace import (
     to_requests,
     write_mooncake,
 )
-from tiering.replay.study import capacities_for, run_study, study_trace_from_blocks
+from tiering.replay.study import capacities_for, gap_closed, run_study, study_trace_from_blocks
 from tiering.replay.traces import TraceError
 from tiering.replay.workloads import workload_trace
 from tiering.testing.policy_tests import fill
@@ -133,6 +133,49 @@ def test_cli_policy_study_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert row["capacity_blocks"] == 7 and row["prefix_hit_ratio"] == 0.5
         (tier,) = row["tiers"].values()  # the config's one file tier (no write-back: belady too)
         assert tier["bytes_written"] == tier["bytes_written_without_admission"] > 0
+
+
+def test_gap_closed_is_the_share_of_the_lru_to_belady_distance() -> None:
+    assert gap_closed(0.3, 0.2, 0.6) == pytest.approx(0.25)
+    assert gap_closed(0.1, 0.2, 0.6) == pytest.approx(-0.25)  # under LRU
+    assert gap_closed(0.2, 0.2, 0.6) == 0.0
+    assert gap_closed(0.5, 0.5, 0.5) is None  # no distance to close
+
+
+def test_study_rows_carry_the_gap_closed_where_lru_and_belady_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One block of room: Belady keeps block 1 (used every other request) and never admits 2
+    # or 3, 3 hits of 7; every online policy stores each miss and hits nothing.
+    requests = [
+        BlockRequest(f"r{i}", float(i), 512, 0, (block,))
+        for i, block in enumerate([1, 2, 1, 2, 1, 3, 1])
+    ]
+    trace = study_trace_from_blocks(requests, 512)
+    rows = run_study(trace, [1, 3], ["lru", "arc"])
+    gaps = {(r["policy"], r["capacity_blocks"]): r["lru_belady_gap_closed"] for r in rows}
+    assert gaps == {
+        ("lru", 1): 0.0,
+        ("arc", 1): 0.0,
+        ("belady", 1): 1.0,
+        ("lru", 3): None,  # everything fits: LRU is Belady
+        ("arc", 3): None,
+        ("belady", 3): None,
+    }
+    assert {r["lru_belady_gap_closed"] for r in run_study(trace, [1], ["arc"])} == {None}
+    assert {r["lru_belady_gap_closed"] for r in run_study(trace, [1], ["lru"], belady=False)} == {
+        None
+    }
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    trace_file = tmp_path / "trace.jsonl"
+    write_mooncake(requests, trace_file)
+    args = ["policy-study", "--config", str(config), "--trace", str(trace_file)]
+    assert cli_main([*args, "--policies", "lru", "--sizes", "0.3", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "gap closed" in lines[1]
+    assert lines[3].split()[:5] == ["lru", "1", "0.0%", "0.0%", "+0%"]
+    assert lines[4].split()[:5] == ["belady", "1", "42.9%", "42.9%", "+100%"]
 
 
 @pytest.mark.parametrize(

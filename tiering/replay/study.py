@@ -50,6 +50,7 @@ from tiering.replay.progress import ProgressBar
 __all__ = [
     "StudyTrace",
     "TierModel",
+    "gap_closed",
     "ids_per_block",
     "policy_study",
     "run_study",
@@ -344,7 +345,29 @@ def run_study(
                     row.update(_tier_columns(trace, cpu, tiers, block_bytes))
                 rows.append(row)
                 bar.update()
+    _add_gap_closed(rows)
     return rows
+
+
+def gap_closed(ratio: float, lru: float, belady: float) -> float | None:
+    """The share of the distance from LRU's prefix hit ratio to Belady's that ``ratio`` covers
+    (0: LRU's, 1: Belady's, negative: under LRU); ``None`` where there is no distance."""
+    if belady - lru < 1e-9:
+        return None
+    return (ratio - lru) / (belady - lru)
+
+
+def _add_gap_closed(rows: list[dict[str, Any]]) -> None:
+    # Per capacity, with LRU and Belady both studied: how an operator reads a policy's gain.
+    by_capacity: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_capacity.setdefault(row["capacity_blocks"], {})[row["policy"]] = row["prefix_hit_ratio"]
+    for row in rows:
+        ratios = by_capacity[row["capacity_blocks"]]
+        share = None
+        if "lru" in ratios and "belady" in ratios:
+            share = gap_closed(row["prefix_hit_ratio"], ratios["lru"], ratios["belady"])
+        row["lru_belady_gap_closed"] = None if share is None else round(share, 4)
 
 
 def _tier_columns(

@@ -3,7 +3,8 @@
 Every policy of the registry (built-ins and plugins, by default all of them) and Belady's bound
 run over the trace's block keys at CPU sizes given as fractions of the trace's unique blocks
 (the model is in :mod:`tiering.replay.study`). Per policy and size: prefix-hit and block-hit
-ratios, prefill tokens saved, bytes stored in the CPU tier, and, for each secondary tier of the
+ratios, the share of the LRU -> Belady gap in prefix hits closed (with ``lru`` and Belady
+studied), prefill tokens saved, bytes stored in the CPU tier, and, for each secondary tier of the
 config (its own policy, capacity and write policy), blocks served, bytes written and bytes
 written per served block, with and without the tier's admission gate (its
 ``admission_min_count``, or ``--admission N`` for every tier).
@@ -154,14 +155,16 @@ def _parse_policies(text: str | None) -> list[str]:
 def format_rows(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'policy':<10} {'capacity':>9} {'block hits':>11} {'prefix hits':>12} "
-        f"{'prefill saved':>14} {'+tiers':>8}"
+        f"{'gap closed':>11} {'prefill saved':>14} {'+tiers':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         with_tiers = r.get("prefix_hit_ratio_with_tiers")
+        gap = r.get("lru_belady_gap_closed")
         lines.append(
             f"{r['policy']:<10} {r['capacity_blocks']:>9,} {r['block_hit_ratio']:>11.1%} "
-            f"{r['prefix_hit_ratio']:>12.1%} {r['prefill_saved_ratio']:>14.1%} "
+            f"{r['prefix_hit_ratio']:>12.1%} {'-' if gap is None else format(gap, '+.0%'):>11} "
+            f"{r['prefill_saved_ratio']:>14.1%} "
             f"{'-' if with_tiers is None else format(with_tiers, '.1%'):>8}"
         )
     tier_lines = []
