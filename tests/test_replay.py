@@ -129,6 +129,14 @@ def test_policy_study_bounds_policies_by_belady() -> None:
         assert set(by_policy) == {"lru", "arc", "belady"}
         for name in ("lru", "arc"):
             assert by_policy[name]["block_hit_ratio"] <= by_policy["belady"]["block_hit_ratio"]
+        lru, belady = by_policy["lru"]["prefix_hit_ratio"], by_policy["belady"]["prefix_hit_ratio"]
+        assert belady > lru  # the chat trace leaves LRU a gap at both sizes
+        assert (
+            by_policy["lru"]["lru_belady_gap_closed"],
+            by_policy["belady"]["lru_belady_gap_closed"],
+        ) == (0.0, 1.0)
+        arc = by_policy["arc"]["prefix_hit_ratio"]
+        assert by_policy["arc"]["lru_belady_gap_closed"] == round((arc - lru) / (belady - lru), 4)
 
 
 def test_cli_replay_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

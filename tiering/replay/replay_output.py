@@ -151,12 +151,15 @@ def format_report(report: dict[str, Any], *, legend: bool = True) -> str:
 
 
 def format_study(rows: list[dict[str, Any]]) -> str:
-    header = f"{'policy':<10} {'capacity':>9} {'block hits':>11} {'prefix hits':>12}"
+    header = (
+        f"{'policy':<10} {'capacity':>9} {'block hits':>11} {'prefix hits':>12} {'gap closed':>11}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
+        gap = r.get("lru_belady_gap_closed")
         lines.append(
             f"{r['policy']:<10} {r['capacity_blocks']:>9} {r['block_hit_ratio']:>11.1%} "
-            f"{r['prefix_hit_ratio']:>12.1%}"
+            f"{r['prefix_hit_ratio']:>12.1%} {'-' if gap is None else format(gap, '+.0%'):>11}"
         )
     return "\n".join(lines)
 

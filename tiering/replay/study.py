@@ -421,5 +421,11 @@ def policy_study(
     (``replay --policy-study``: one tier, no bytes)."""
     trace = StudyTrace([list(k) for k in key_lists], [0] * len(key_lists), 0)
     rows = run_study(trace, capacities, policies, progress=progress)
-    keep = ("policy", "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio")
+    keep = (
+        "policy",
+        "capacity_blocks",
+        "block_hit_ratio",
+        "prefix_hit_ratio",
+        "lru_belady_gap_closed",
+    )
     return [{k: row[k] for k in keep} for row in rows]
