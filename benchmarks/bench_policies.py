@@ -12,9 +12,11 @@ skips), and for each policy but LRU the share of the LRU -> Belady gap it closes
 hits are the reference). ``ok`` marks the hybrid policy's targets: at every size no more than
 0.2 points under max(LRU, ARC), and at the middle size 25 % of the gap closed.
 
-Usage: python benchmarks/bench_policies.py [--quick] [--seeds 0,1] [--traces a,b]
+Usage: python benchmarks/bench_policies.py [--quick] [--seeds 0,1] [--traces a,b] [--jobs N]
 [--files a.jsonl,b.jsonl [--block-tokens N] [--study-block-tokens N]]
-(``--quick``: the tiny scale, a tenth of the requests; ``--files``: block-trace files,
+(``--quick``: the tiny scale, a tenth of the requests; ``--jobs``: (policy, size) pairs
+studied at once in forked processes, by default one per CPU: it measures no time; ``--files``:
+block-trace files,
 Mooncake's or Qwen-Bailian's, judged by the same columns instead of the generated traces:
 how a held-out production trace is judged).
 """
@@ -22,6 +24,7 @@ how a held-out production trace is judged).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from tiering.policies import available_policies
@@ -41,22 +44,26 @@ MIDDLE_FRACTION = 0.05  # where 25 % of the LRU -> Belady gap is the target
 TOLERANCE = 0.002  # 0.2 points
 
 
-def bench_trace(name: str, scale: str, seed: int) -> list[dict[str, object]]:
-    return bench_study(study_trace_from_blocks(workload_trace(name, scale, seed), 512), name, seed)
+def bench_trace(name: str, scale: str, seed: int, jobs: int = 1) -> list[dict[str, object]]:
+    trace = study_trace_from_blocks(workload_trace(name, scale, seed), 512)
+    return bench_study(trace, name, seed, jobs)
 
 
 def bench_file(
-    path: str, block_tokens: int | None, study_block_tokens: int | None
+    path: str, block_tokens: int | None, study_block_tokens: int | None, jobs: int = 1
 ) -> list[dict[str, object]]:
     blocks = read_block_trace(path, block_tokens)
     group = ids_per_block(study_block_tokens, blocks.block_tokens)
     trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens, group)
-    return bench_study(trace, path, "-")
+    return bench_study(trace, path, "-", jobs)
 
 
-def bench_study(trace: StudyTrace, name: str, seed: object) -> list[dict[str, object]]:
+def bench_study(
+    trace: StudyTrace, name: str, seed: object, jobs: int = 1
+) -> list[dict[str, object]]:
     policies = list(available_policies())
-    rows = run_study(trace, capacities_for(trace.unique_blocks, FRACTIONS), policies)
+    capacities = capacities_for(trace.unique_blocks, FRACTIONS)
+    rows = run_study(trace, capacities, policies, jobs=jobs)
     out: list[dict[str, object]] = []
     for fraction in FRACTIONS:  # a row per size, even where a small trace gives two one capacity
         (capacity,) = capacities_for(trace.unique_blocks, (fraction,))
@@ -115,20 +122,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--files", help="block-trace files, comma separated (not generated)")
     parser.add_argument("--block-tokens", type=int, help="tokens per id (default: the format's)")
     parser.add_argument("--study-block-tokens", type=int, help="group ids into N-token blocks")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="pairs at once (default: CPUs)"
+    )
     args = parser.parse_args(argv)
     scale = "tiny" if args.quick else "demo"
     if args.files:
         rows = [
             row
             for path in args.files.split(",")
-            for row in bench_file(path, args.block_tokens, args.study_block_tokens)
+            for row in bench_file(path, args.block_tokens, args.study_block_tokens, args.jobs)
         ]
     else:
         rows = [
             row
             for name in args.traces.split(",")
             for seed in (int(s) for s in args.seeds.split(","))
-            for row in bench_trace(name, scale, seed)
+            for row in bench_trace(name, scale, seed, args.jobs)
         ]
     print_table(rows)
     return rows

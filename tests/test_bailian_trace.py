@@ -154,7 +154,7 @@ def test_bench_policies_judges_a_trace_file_as_the_generated_ones(
     # How the owners judge a held-out trace: the same columns and verdicts as the table of
     # docs/benchmarks.md, a row per size even where a small trace gives two sizes one capacity.
     bench = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_policies.py"))
-    rows = bench["main"](["--files", str(SAMPLE)])
+    rows = bench["main"](["--files", str(SAMPLE), "--jobs", "1"])
     assert [r["fraction"] for r in rows] == [0.01, 0.02, 0.05, 0.1, 0.2]
     blocks = read_block_trace(SAMPLE)
     trace = study_trace_from_blocks(blocks.requests, blocks.block_tokens)

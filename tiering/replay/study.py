@@ -45,6 +45,7 @@ from tiering.policies.admission import FrequencyGate, default_width
 from tiering.policies.base import EvictionPolicy
 from tiering.replay.belady import RequestMIN
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
+from tiering.replay.forked_map import map_forked
 from tiering.replay.progress import ProgressBar
 
 __all__ = [
@@ -313,40 +314,66 @@ def run_study(
     block_bytes: int = 0,
     belady: bool = True,
     progress: bool = False,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """One row per (capacity, policy), Belady last per capacity (see the module docstring)."""
-    key_lists = trace.key_lists
-    accesses = trace.block_accesses
+    """One row per (capacity, policy), Belady last per capacity (see the module docstring).
+
+    ``jobs > 1`` studies that many (capacity, policy) pairs at once in forked processes
+    (:mod:`tiering.replay.forked_map`: the same rows, in the same order; memory grows with
+    ``jobs``)."""
     names = [*policies, *(["belady"] if belady else [])]
-    record_victims = any(t.write_policy == "write_back" for t in tiers)
-    prompt_tokens = sum(trace.input_tokens)
-    rows: list[dict[str, Any]] = []
-    request_min = RequestMIN(key_lists) if "belady" in names else None
-    with ProgressBar(len(capacities) * len(names), "policy study", enabled=progress) as bar:
-        for capacity in capacities:
-            for name in names:
-                if request_min is not None and name == "belady":
-                    cpu = _CpuRun(request_min.hit_flags(capacity))
-                else:
-                    policy = get_policy_class(name)(capacity)
-                    cpu = simulate_cpu(policy, key_lists, record_victims=record_victims)
-                prefix = _prefix_hits(cpu.flags, key_lists)
-                saved = _tokens_saved(prefix, trace)
-                row: dict[str, Any] = {
-                    "policy": name,
-                    "capacity_blocks": capacity,
-                    "block_hit_ratio": round(sum(cpu.flags) / accesses, 4) if accesses else 0.0,
-                    "prefix_hit_ratio": round(sum(prefix) / accesses, 4) if accesses else 0.0,
-                    "prefill_tokens_saved": saved,
-                    "prefill_saved_ratio": round(saved / prompt_tokens, 4) if prompt_tokens else 0,
-                    "bytes_stored_cpu": (accesses - sum(cpu.flags)) * block_bytes,
-                }
-                if tiers and (name != "belady" or not record_victims):
-                    row.update(_tier_columns(trace, cpu, tiers, block_bytes))
-                rows.append(row)
+    pairs = [(capacity, name) for capacity in capacities for name in names]
+    study = _Study(trace, tiers, block_bytes, RequestMIN(trace.key_lists) if belady else None)
+    rows: list[dict[str, Any]] = [{} for _ in pairs]
+    with map_forked(lambda i: study.row(*pairs[i]), len(pairs), jobs) as results:
+        with ProgressBar(len(pairs), "policy study", enabled=progress) as bar:
+            for i, row in results:
+                rows[i] = row
                 bar.update()
     _add_gap_closed(rows)
     return rows
+
+
+class _Study:
+    """What every row of one study reads: the trace, the tiers, Belady's next uses."""
+
+    def __init__(
+        self,
+        trace: StudyTrace,
+        tiers: Sequence[TierModel],
+        block_bytes: int,
+        request_min: RequestMIN | None,
+    ) -> None:
+        self.trace = trace
+        self.tiers = tiers
+        self.block_bytes = block_bytes
+        self.request_min = request_min
+        self.record_victims = any(t.write_policy == "write_back" for t in tiers)
+        self.prompt_tokens = sum(trace.input_tokens)
+
+    def row(self, capacity: int, name: str) -> dict[str, Any]:
+        trace, block_bytes = self.trace, self.block_bytes
+        key_lists, accesses = trace.key_lists, trace.block_accesses
+        if name == "belady" and self.request_min is not None:
+            cpu = _CpuRun(self.request_min.hit_flags(capacity))
+        else:
+            policy = get_policy_class(name)(capacity)
+            cpu = simulate_cpu(policy, key_lists, record_victims=self.record_victims)
+        prefix = _prefix_hits(cpu.flags, key_lists)
+        saved = _tokens_saved(prefix, trace)
+        prompt_tokens = self.prompt_tokens
+        row: dict[str, Any] = {
+            "policy": name,
+            "capacity_blocks": capacity,
+            "block_hit_ratio": round(sum(cpu.flags) / accesses, 4) if accesses else 0.0,
+            "prefix_hit_ratio": round(sum(prefix) / accesses, 4) if accesses else 0.0,
+            "prefill_tokens_saved": saved,
+            "prefill_saved_ratio": round(saved / prompt_tokens, 4) if prompt_tokens else 0,
+            "bytes_stored_cpu": (accesses - sum(cpu.flags)) * block_bytes,
+        }
+        if self.tiers and (name != "belady" or not self.record_victims):
+            row.update(_tier_columns(trace, cpu, self.tiers, block_bytes))
+        return row
 
 
 def gap_closed(ratio: float, lru: float, belady: float) -> float | None:
