@@ -11,6 +11,8 @@ import pytest
 
 import tiering.replay.forked_map as forked_map
 from tiering.cli import main as cli_main
+from tiering.errors import TieringError
+from tiering.policies.lru import LRUPolicy
 from tiering.replay.block_trace import BlockRequest, write_mooncake
 from tiering.replay.forked_map import can_fork, map_forked
 from tiering.replay.study import TierModel, run_study, study_trace_from_blocks
@@ -84,6 +86,28 @@ def test_the_study_in_forked_processes_gives_the_rows_of_one_process() -> None:
     one = run_study(*args, tiers=tiers, block_bytes=1)
     assert run_study(*args, tiers=tiers, block_bytes=1, jobs=3) == one
     assert len(one) == 12 and any(r["tiers"]["lmdb"]["served_blocks"] for r in one)
+
+
+_PARENT_PID = os.getpid()
+
+
+class DiesInAChild(LRUPolicy):
+    """An LRU whose construction in a worker process ends that process, as the kernel's
+    out-of-memory killer would."""
+
+    def __init__(self, capacity: int) -> None:
+        if os.getpid() != _PARENT_PID:
+            os._exit(1)
+        super().__init__(capacity)
+
+
+@needs_fork
+def test_a_study_worker_that_dies_is_a_clear_error() -> None:
+    trace = study_trace_from_blocks(workload_trace("production", "tiny", 0), 512)
+    with pytest.raises(TieringError, match=r"a study process of 2 jobs ended abruptly .*fewer"):
+        run_study(trace, [10, 20], ["lru", f"{__name__}:DiesInAChild"], jobs=2)
+    assert forked_map._task is None
+    assert run_study(trace, [10], [f"{__name__}:DiesInAChild"], belady=False)  # here it lives
 
 
 @needs_fork

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,11 +326,17 @@ def run_study(
     pairs = [(capacity, name) for capacity in capacities for name in names]
     study = _Study(trace, tiers, block_bytes, RequestMIN(trace.key_lists) if belady else None)
     rows: list[dict[str, Any]] = [{} for _ in pairs]
-    with map_forked(lambda i: study.row(*pairs[i]), len(pairs), jobs) as results:
-        with ProgressBar(len(pairs), "policy study", enabled=progress) as bar:
-            for i, row in results:
-                rows[i] = row
-                bar.update()
+    try:
+        with map_forked(lambda i: study.row(*pairs[i]), len(pairs), jobs) as results:
+            with ProgressBar(len(pairs), "policy study", enabled=progress) as bar:
+                for i, row in results:
+                    rows[i] = row
+                    bar.update()
+    except BrokenProcessPool as exc:  # a worker killed (by the kernel for memory, most often)
+        raise TieringError(
+            f"a study process of {jobs} jobs ended abruptly (killed, out of memory?): each "
+            "job may hold a copy of the trace's keys; rerun with fewer jobs"
+        ) from exc
     _add_gap_closed(rows)
     return rows
 
