@@ -324,7 +324,8 @@ def run_study(
     ``jobs``)."""
     names = [*policies, *(["belady"] if belady else [])]
     pairs = [(capacity, name) for capacity in capacities for name in names]
-    study = _Study(trace, tiers, block_bytes, RequestMIN(trace.key_lists) if belady else None)
+    request_min = RequestMIN(trace.key_lists) if "belady" in names else None
+    study = _Study(trace, tiers, block_bytes, request_min)
     rows: list[dict[str, Any]] = [{} for _ in pairs]
     try:
         with map_forked(lambda i: study.row(*pairs[i]), len(pairs), jobs) as results:
