@@ -49,19 +49,52 @@ from tiering.config import WORKLOAD_TRACES
 from tiering.errors import ConfigurationError
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
-__all__ = ["WORKLOAD_TRACES", "WorkloadMix", "generate", "workload_trace"]
+__all__ = ["WORKLOAD_TRACES", "WorkloadMix", "WorkloadShape", "generate", "workload_trace"]
 
 
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
 _REQUESTS_PER_HOUR = 12_000
-_NUM_TENANTS = 24
-# Documents: this share asks about a popular one (Zipf over the catalog), the rest upload one.
-_CATALOG_SHARE = 0.4
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """What generated traffic looks like beyond its mix; the defaults are the calibrated shape
+    (the module docstring, docs/workloads.md). Other values shape a trace to an operator's
+    traffic, or test a policy on traffic no tuning saw (``benchmarks/bench_policies.py
+    --variants``).
+
+    - ``continue_beta_a``: a conversation's chance of another turn is Beta(a, a + 1): 2 turns
+      on average for every ``a`` (before the cap of 40); a smaller ``a`` makes conversations
+      differ more (at 0.6, 73 % have one turn).
+    - ``tenants``: tenants, each with its own system and tool prompt, Zipf-popular.
+    - ``catalog_share``: the share of documents asked about that come from a catalog of popular
+      ones (the rest are one-off uploads); ``catalog_alpha``: the catalog's Zipf exponent.
+    - ``think_time_scale``: every delay between a session's requests (think, ask, tool run)
+      times this.
+    """
+
+    continue_beta_a: float = 0.6
+    tenants: int = 24
+    catalog_share: float = 0.4
+    catalog_alpha: float = 0.9
+    think_time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("continue_beta_a", self.continue_beta_a > 0, "> 0"),
+            ("tenants", type(self.tenants) is int and self.tenants >= 1, "an int >= 1"),
+            ("catalog_share", 0.0 <= self.catalog_share <= 1.0, "in [0, 1]"),
+            ("catalog_alpha", self.catalog_alpha >= 0, ">= 0"),
+            ("think_time_scale", self.think_time_scale > 0, "> 0"),
+        )
+        for field, ok, valid in checks:
+            if not ok:
+                raise ConfigurationError(
+                    f"WorkloadShape.{field} must be {valid}, got {getattr(self, field)!r}"
+                )
+
+
 _CATALOG_SIZE = 2_000
-_CATALOG_ALPHA = 0.9
-# Conversations: the chance of another turn is Beta(a, a + 1) per conversation (mean turns
-# 1 + a / (b - 1) = 2 for b = a + 1, before the cap); a sets how much conversations differ.
-_CONTINUE_BETA_A = 0.6
 _MAX_TURNS = 40
 
 
@@ -131,19 +164,22 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: float, high
 
 
 class _Generator:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, shape: WorkloadShape) -> None:
+        self.shape = shape
         self.rng = random.Random(seed)
         self.ids = _Ids()
         self.out: list[tuple[float, int, int, tuple[int, ...], str]] = []
         rng = self.rng
         # Per tenant: a system prompt (conversations, documents) and a tool prompt (agents).
-        self.system = [self._root(_lognormal(rng, 1_200, 0.6, 300, 6_000)) for _ in range(24)]
-        self.tools = [self._root(_lognormal(rng, 7_000, 0.4, 3_000, 16_000)) for _ in range(24)]
-        weights = [1.0 / (k + 1) ** 1.1 for k in range(_NUM_TENANTS)]
+        tenants = range(shape.tenants)
+        self.system = [self._root(_lognormal(rng, 1_200, 0.6, 300, 6_000)) for _ in tenants]
+        self.tools = [self._root(_lognormal(rng, 7_000, 0.4, 3_000, 16_000)) for _ in tenants]
+        weights = [1.0 / (k + 1) ** 1.1 for k in tenants]
         self.tenant_weights = weights
+        self._tenants = list(tenants)
         # Popular documents (a tenant's manuals, a trending paper): a Zipf catalog, each a
         # tenant's system prompt then the document, made when first asked about.
-        self.catalog_weights = [1.0 / (k + 1) ** _CATALOG_ALPHA for k in range(_CATALOG_SIZE)]
+        self.catalog_weights = [1.0 / (k + 1) ** shape.catalog_alpha for k in range(_CATALOG_SIZE)]
         self.catalog: dict[int, _Context] = {}
         self.sessions = 0
 
@@ -152,8 +188,12 @@ class _Generator:
         context.append(tokens, self.ids)
         return context
 
+    def _delay_s(self, median_s: float, sigma: float, low_s: float, high_s: float) -> int:
+        scale = self.shape.think_time_scale
+        return _lognormal(self.rng, median_s * scale, sigma, low_s * scale, high_s * scale)
+
     def _tenant(self) -> int:
-        return self.rng.choices(range(_NUM_TENANTS), self.tenant_weights)[0]
+        return self.rng.choices(self._tenants, self.tenant_weights)[0]
 
     def _emit(self, at_s: float, context: _Context, output: int, kind: str) -> None:
         label = f"{kind}{self.sessions}"  # the session: request ids name it
@@ -168,7 +208,8 @@ class _Generator:
         context.append(first, ids)
         at_s = start_s
         # This conversation's chance of another turn after each one (see the module docstring).
-        go_on = rng.betavariate(_CONTINUE_BETA_A, _CONTINUE_BETA_A + 1.0)
+        beta_a = self.shape.continue_beta_a
+        go_on = rng.betavariate(beta_a, beta_a + 1.0)
         turns = 1
         while turns < _MAX_TURNS and rng.random() < go_on:
             turns += 1
@@ -178,7 +219,7 @@ class _Generator:
             if turn + 1 == turns:
                 break
             context.append(output + _lognormal(rng, 250, 1.0, 10, 4_000), ids)
-            at_s += _lognormal(rng, 60, 1.1, 5, 1_800)  # reading, typing, coming back
+            at_s += self._delay_s(60, 1.1, 5, 1_800)  # reading, typing, coming back
 
     def agent(self, start_s: float) -> None:
         rng, ids = self.rng, self.ids
@@ -192,7 +233,7 @@ class _Generator:
             if step + 1 == steps or context.tokens > 120_000:
                 break
             context.append(action + _lognormal(rng, 900, 1.0, 50, 8_000), ids)  # + observation
-            at_s += _lognormal(rng, 4, 0.8, 0.5, 60)  # the tool runs
+            at_s += self._delay_s(4, 0.8, 0.5, 60)  # the tool runs
 
     def _catalog_document(self) -> _Context:
         rng = self.rng
@@ -206,7 +247,7 @@ class _Generator:
 
     def document(self, start_s: float) -> None:
         rng, ids = self.rng, self.ids
-        if rng.random() < _CATALOG_SHARE:
+        if rng.random() < self.shape.catalog_share:
             context = self._catalog_document()
         else:  # a one-off upload
             context = self.system[self._tenant()].copy()
@@ -219,7 +260,7 @@ class _Generator:
             question.append(_lognormal(rng, 80, 0.8, 10, 800), ids)
             self._emit(at_s, question, output, "doc")
             if ask + 1 < asks:
-                at_s += _lognormal(rng, 90, 1.0, 5, 1_200)
+                at_s += self._delay_s(90, 1.0, 5, 1_200)
 
 
 def _session_starts(
@@ -257,9 +298,11 @@ def generate(
     duration_s: float = 3_600.0,
     requests_per_hour: float = _REQUESTS_PER_HOUR,
     seed: int = 0,
+    shape: WorkloadShape = WorkloadShape(),
 ) -> list[BlockRequest]:
-    """Requests of ``mix`` arriving over ``duration_s`` at about ``requests_per_hour``
-    (requests a session would send after ``duration_s`` are dropped), by arrival time."""
+    """Requests of ``mix`` and ``shape`` arriving over ``duration_s`` at about
+    ``requests_per_hour`` (requests a session would send after ``duration_s`` are dropped), by
+    arrival time."""
     shares = {"conversation": mix.conversation, "agent": mix.agent, "document": mix.document}
     total = sum(shares.values())
     if total <= 0 or min(shares.values()) < 0:
@@ -268,7 +311,7 @@ def generate(
         raise ConfigurationError(
             f"duration_s and requests_per_hour must be > 0, got {duration_s}, {requests_per_hour}"
         )
-    gen = _Generator(seed)
+    gen = _Generator(seed, shape)
     kinds = [k for k, share in shares.items() if share > 0]
     weights = [shares[k] / total for k in kinds]
     per_session = sum(w * _REQUESTS_PER_SESSION[k] for k, w in zip(kinds, weights, strict=True))
@@ -288,8 +331,11 @@ def generate(
     ]
 
 
-def workload_trace(name: str, scale: str = "demo", seed: int = 0) -> list[BlockRequest]:
-    """The built-in realistic trace ``name`` at ``scale`` (see the module docstring)."""
+def workload_trace(
+    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape = WorkloadShape()
+) -> list[BlockRequest]:
+    """The built-in realistic trace ``name`` at ``scale`` (see the module docstring), of
+    ``shape`` (by default the calibrated one)."""
     if name not in _MIXES:
         raise ConfigurationError(
             f"unknown realistic trace {name!r}; valid names: {', '.join(WORKLOAD_TRACES)}"
@@ -298,4 +344,5 @@ def workload_trace(name: str, scale: str = "demo", seed: int = 0) -> list[BlockR
         raise ConfigurationError(
             f"unknown trace scale {scale!r}; valid scales: {', '.join(_SCALE_HOURS)}"
         )
-    return generate(_MIXES[name], duration_s=3_600.0 * _SCALE_HOURS[scale], seed=seed)
+    duration_s = 3_600.0 * _SCALE_HOURS[scale]
+    return generate(_MIXES[name], duration_s=duration_s, seed=seed, shape=shape)
