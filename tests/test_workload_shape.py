@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import runpy
 import statistics
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +113,29 @@ def test_bad_shapes_name_the_field_the_value_and_what_is_valid(
 ) -> None:
     with pytest.raises(ConfigurationError, match=f"WorkloadShape.{field} must be {valid}, got"):
         WorkloadShape(**{field: value})  # type: ignore[arg-type]
+
+
+def test_bench_policy_variants_judges_the_floor_on_each_changed_trace(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = runpy.run_path(
+        str(Path(__file__).parents[1] / "benchmarks" / "bench_policy_variants.py")
+    )
+    rows = bench["main"](
+        ["--quick", "--seeds", "0", "--variants", "tenants3,docs70", "--jobs", "1"]
+    )
+    # tenants3 changes all four traces, docs70 the production mix alone; 5 sizes each.
+    assert [(r["variant"], r["trace"]) for r in rows[::5]] == [
+        ("tenants3", "conversation"),
+        ("tenants3", "toolagent"),
+        ("tenants3", "documents"),
+        ("tenants3", "production"),
+        ("docs70", "production"),
+    ]
+    for row in rows:
+        floor = max(float(row["lru"]), float(row["arc"])) - 0.002
+        assert row["floor_ok"] == (float(row["hybrid"]) >= floor)
+    kept = sum(1 for r in rows if r["floor_ok"])
+    assert f"hybrid within 0.2 points of max(LRU, ARC) at {kept} of 25" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench["main"](["--variants", "tenants3,nope"])
