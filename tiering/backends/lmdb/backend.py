@@ -29,12 +29,13 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
 from tiering.backends.disk_guard import DiskGuard
+from tiering.backends.in_flight import InFlight
 from tiering.backends.lanes import run_in_lanes
 from tiering.backends.lmdb.arguments import (
     byte_view,
@@ -174,8 +175,7 @@ class LMDBBackend(StorageBackend):
         self._reader = Reader(self._environment, record)
         self._opener = self._build_opener(record, transactions)
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight = 0
-        self._idle: asyncio.Event | None = None
+        self._in_flight: InFlight | None = None
         self._closed: asyncio.Event | None = None
 
     def _build_opener(self, record: RecordFormat, transactions: WriteTransactions) -> Opener:
@@ -282,10 +282,8 @@ class LMDBBackend(StorageBackend):
         self._readers = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.read_threads, thread_name_prefix="lmdb-read"
         )
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()
         self._closed = asyncio.Event()
-        self._inflight = 0
         self._state = "open"
         return list(keys)
 
@@ -307,8 +305,8 @@ class LMDBBackend(StorageBackend):
             await self._closed.wait()
             return
         self._state = "closing"
-        assert self._idle is not None and self._closed is not None
-        await self._idle.wait()
+        assert self._in_flight is not None and self._closed is not None
+        await self._in_flight.idle()
         if self._readers is not None:
             self._readers.shutdown(wait=False)  # idle: every read has completed
             self._readers = None
@@ -405,15 +403,6 @@ class LMDBBackend(StorageBackend):
         if self.read_only:
             raise BackendError(f"LMDB backend at {self.path!r} is open read-only")
 
-    @contextlib.contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Counts in-flight operations so that ``close`` can wait for them."""
-        assert self._idle is not None
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
+    def _operation(self) -> contextlib.AbstractContextManager[None]:
+        assert self._in_flight is not None  # open
+        return self._in_flight.operation()

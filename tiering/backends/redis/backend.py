@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from redis.utils import HIREDIS_AVAILABLE
 
 from tiering.backends.base import BackendCapabilities, Outcome, StorageBackend
+from tiering.backends.in_flight import InFlight
 from tiering.backends.redis.buffers import byte_view
 from tiering.backends.redis.connection import make_nodes, open_error, where
 from tiering.backends.redis.faults import Faults
@@ -69,8 +70,7 @@ class RedisBackend(StorageBackend):
         self._make_collaborators()
         self._nodes: RedisNodes | None = None
         self._state = "closed"
-        self._inflight = 0
-        self._idle: asyncio.Event | None = None
+        self._in_flight: InFlight | None = None
         self._closed: asyncio.Event | None = None
         self._last_server_stats: RedisServerStats | None = None
 
@@ -175,8 +175,7 @@ class RedisBackend(StorageBackend):
                 raise error from exc
             raise
         self._held.keys = set(recovered)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()
         self._closed = asyncio.Event()
         self._state = "open"
         if not HIREDIS_AVAILABLE:
@@ -191,8 +190,8 @@ class RedisBackend(StorageBackend):
             await self._closed.wait()
             return
         self._state = "closing"
-        assert self._idle is not None and self._closed is not None
-        await self._idle.wait()
+        assert self._in_flight is not None and self._closed is not None
+        await self._in_flight.idle()
         nodes, self._nodes = self._nodes, None
         if nodes is not None:
             await nodes.close()
@@ -205,18 +204,9 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"redis backend {where(self.settings)} is not open ({self._state})")
         return self._nodes
 
-    @contextlib.contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Counts in-flight operations so that ``close`` can wait for them."""
-        assert self._idle is not None
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
+    def _operation(self) -> contextlib.AbstractContextManager[None]:
+        assert self._in_flight is not None  # open
+        return self._in_flight.operation()
 
     # -- batch operations -----------------------------------------------------------------------
 
