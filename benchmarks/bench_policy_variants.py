@@ -11,6 +11,9 @@ run: only the floor is judged here.
 
 Usage: python benchmarks/bench_policy_variants.py [--quick] [--seeds 0,1] [--variants a,b]
 [--jobs N]
+(``--quick``: the tiny scale, six minutes of traffic, a smoke run: caches of a few hundred
+blocks that the shadows watch for minutes only, so its floor counts say little of the policy;
+``--jobs``: (policy, size) pairs studied at once in forked processes, by default one per CPU.)
 """
 
 from __future__ import annotations
