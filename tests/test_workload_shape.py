@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import runpy
 import statistics
 from collections import Counter, defaultdict
@@ -10,9 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from tiering.cli import main as cli_main
 from tiering.errors import ConfigurationError
+from tiering.replay import runner
 from tiering.replay.block_trace import BlockRequest, block_summary
-from tiering.replay.workloads import WorkloadMix, WorkloadShape, generate, workload_trace
+from tiering.replay.replay_run import load_trace
+from tiering.replay.study import capacities_for, run_study, study_trace_from_blocks
+from tiering.replay.workloads import (
+    WorkloadMix,
+    WorkloadShape,
+    generate,
+    parse_shape,
+    workload_trace,
+)
 
 # The calibrated traces, as generated before WorkloadShape existed: studies and the docs'
 # figures repeat only while these stay the same.
@@ -139,3 +150,110 @@ def test_bench_policy_variants_judges_the_floor_on_each_changed_trace(
     assert f"hybrid within 0.2 points of max(LRU, ARC) at {kept} of 25" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench["main"](["--variants", "tenants3,nope"])
+
+
+# -- --shape on the command line ----------------------------------------------------------------
+
+CONFIG = (
+    "version: 1\nmodel: {shape: tiny}\nprimary: {capacity: 256KiB}\n"
+    "secondary_tiers:\n  - {type: file, capacity: 1MiB, path: nvme}\n"
+)
+
+
+def test_parse_shape_reads_fields_and_keeps_the_rest_calibrated() -> None:
+    assert parse_shape("think_time_scale=5, tenants=3") == WorkloadShape(
+        think_time_scale=5.0, tenants=3
+    )
+    assert parse_shape("catalog_share=0") == WorkloadShape(catalog_share=0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tenants", "'tenants' is not FIELD=VALUE with a field of continue_beta_a, tenants"),
+        ("speed=2", "'speed=2' is not FIELD=VALUE"),
+        ("", "'' is not FIELD=VALUE"),
+        ("tenants=3,tenants=4", "tenants is given twice"),
+        ("tenants=three", "tenants must be an int, got 'three'"),
+        ("tenants=2.5", "tenants must be an int, got '2.5'"),
+        ("think_time_scale=slow", "think_time_scale must be a number, got 'slow'"),
+        ("tenants=0", "WorkloadShape.tenants must be an int >= 1, got 0"),
+    ],
+)
+def test_parse_shape_names_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        parse_shape(text)
+    assert message in str(caught.value)
+
+
+def _study_json(config: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> list[dict]:
+    args = ["policy-study", "--config", str(config), "--trace", "conversation"]
+    args += ["--scale", "tiny", "--policies", "lru", "--sizes", "0.05", "--json", *extra]
+    assert cli_main(args) == 0
+    return json.loads(capsys.readouterr().out)["policy_study"]
+
+
+def test_policy_study_shape_studies_the_shaped_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    shaped = _study_json(config, capsys, "--shape", "tenants=1,think_time_scale=5")
+    calibrated = _study_json(config, capsys)
+    trace = study_trace_from_blocks(
+        workload_trace("conversation", "tiny", 0, WorkloadShape(tenants=1, think_time_scale=5)),
+        512,
+    )
+    expected = run_study(trace, capacities_for(trace.unique_blocks, (0.05,)), ["lru"])
+    for rows in (shaped, expected):
+        assert [(r["policy"], r["capacity_blocks"]) for r in rows] == [
+            (r["policy"], r["capacity_blocks"]) for r in expected
+        ]
+    assert [r["prefix_hit_ratio"] for r in shaped] == [r["prefix_hit_ratio"] for r in expected]
+    assert [r["prefix_hit_ratio"] for r in shaped] != [r["prefix_hit_ratio"] for r in calibrated]
+
+
+@pytest.mark.parametrize("command", ["policy-study", "replay"])
+def test_shape_of_a_trace_that_is_not_generated_is_refused_before_any_work(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    wiped: list[object] = []
+    monkeypatch.setattr(runner, "_wipe_tiers", wiped.append)
+    args = [command, "--config", str(config), "--trace", "chat", "--shape", "tenants=3"]
+    assert cli_main([*args, *(["--fresh"] if command == "replay" else [])]) == 2
+    assert "--shape applies to the generated traces (conversation" in capsys.readouterr().err
+    assert wiped == []  # replay --fresh deleted nothing
+
+
+def test_replay_shape_replays_the_shaped_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["replay", "--config", str(config), "--trace", "conversation", "--scale", "tiny"]
+    args += ["--shape", "tenants=1", "--max-requests", "4", "--engine-blocks", "8192"]
+    assert cli_main([*args, "--json", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    shaped = load_trace("conversation", "tiny", 0, shape=WorkloadShape(tenants=1))[:4]
+    assert report["requests"] == 4
+    assert report["prompt_tokens"] == sum(r.num_prompt_tokens for r in shaped)
+
+
+def test_policy_study_text_names_the_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", "conversation", "--scale"]
+    args += ["tiny", "--policies", "lru", "--sizes", "0.05", "--no-progress"]
+    assert cli_main([*args, "--shape", "tenants=1, think_time_scale=5"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first.startswith("policy study: ")
+        and "'conversation' (tenants=1,think_time_scale=5)," in first
+    )

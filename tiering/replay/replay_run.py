@@ -26,7 +26,12 @@ from tiering.replay.progress import ProgressBar
 from tiering.replay.replay_report import build_report
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine
 from tiering.replay.traces import Request, builtin_trace, read_jsonl
-from tiering.replay.workloads import WORKLOAD_TRACES, workload_trace
+from tiering.replay.workloads import (
+    WORKLOAD_TRACES,
+    WorkloadShape,
+    check_shape_applies,
+    workload_trace,
+)
 from tiering.transfer import TransferEngine
 
 __all__ = ["ReplayOptions", "ReplayStep", "load_trace", "run_replay"]
@@ -44,6 +49,7 @@ class ReplayOptions:
     progress: bool = True
     device: str = "cpu"  # where the simulated engine's KV caches live: "cpu" or "cuda[:N]"
     block_tokens: int | None = None  # tokens per hash id of a block trace (None: the format's)
+    shape: WorkloadShape | None = None  # a generated trace's shape (None: the calibrated one)
 
 
 @dataclass(frozen=True)
@@ -63,13 +69,17 @@ def load_trace(
     base_dir: Path | None = None,
     *,
     block_tokens: int | None = None,
+    shape: WorkloadShape | None = None,
 ) -> list[Request]:
     """A built-in trace by name (token-level or realistic), or a JSONL file (relative paths
     from ``base_dir``): tiering's own format or a block trace, Mooncake's or Qwen-Bailian's
     (detected by its ``hash_ids``; ids of ``block_tokens`` tokens, by default the format's,
-    expanded to tokens by :func:`~tiering.replay.block_trace.to_requests`)."""
+    expanded to tokens by :func:`~tiering.replay.block_trace.to_requests`). ``shape`` shapes
+    a generated trace (realistic names only; by default the calibrated shape)."""
+    if shape is not None:
+        check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
-        return list(to_requests(workload_trace(trace, scale, seed)))
+        return list(to_requests(workload_trace(trace, scale, seed, shape or WorkloadShape())))
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:
@@ -117,7 +127,12 @@ def run_replay(
     spec = shape.kv_cache_spec(config.hashing.hash_block_size, config.block_size_factor)
     base_dir = Path(config.source).parent if config.source else None
     requests = load_trace(
-        options.trace, options.scale, options.seed, base_dir, block_tokens=options.block_tokens
+        options.trace,
+        options.scale,
+        options.seed,
+        base_dir,
+        block_tokens=options.block_tokens,
+        shape=options.shape,
     )
     if options.max_requests is not None:
         requests = requests[: options.max_requests]

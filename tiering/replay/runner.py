@@ -31,6 +31,7 @@ from tiering.policies import get_policy_class
 from tiering.replay.replay_output import format_report, format_study, plot_study
 from tiering.replay.replay_run import ReplayOptions, ReplayStep, load_trace, run_replay
 from tiering.replay.study import policy_study
+from tiering.replay.workloads import SHAPE_HELP, check_shape_applies, parse_shape
 
 __all__ = [
     "ReplayOptions",
@@ -69,6 +70,7 @@ def configure_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="trace seed")
+    parser.add_argument("--shape", metavar="FIELD=VALUE,...", help=SHAPE_HELP)
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--engine-blocks", type=int, help="engine KV-cache blocks to allocate")
     parser.add_argument(
@@ -123,14 +125,18 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         "max_requests": args.max_requests,
     }
     options = replace(options, **{k: v for k, v in overrides.items() if v is not None})
-    return replace(
+    options = replace(
         options,
         verify=options.verify and not args.no_verify,
         overlap=args.overlap,
         progress=not args.no_progress and not args.json,
         device=args.device,
         block_tokens=args.block_tokens,
+        shape=None if args.shape is None else parse_shape(args.shape),
     )
+    if options.shape is not None:  # before --fresh deletes anything
+        check_shape_applies(options.trace)
+    return options
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ def _main(args: argparse.Namespace) -> int:
             options.seed,
             Path(config.source).parent,
             block_tokens=args.block_tokens,
+            shape=options.shape,
         )
         if options.max_requests is not None:
             requests = requests[: options.max_requests]

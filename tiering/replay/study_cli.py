@@ -37,7 +37,13 @@ from tiering.replay.study import (
     study_trace_from_blocks,
 )
 from tiering.replay.traces import builtin_trace, read_jsonl
-from tiering.replay.workloads import workload_trace
+from tiering.replay.workloads import (
+    SHAPE_HELP,
+    WorkloadShape,
+    check_shape_applies,
+    parse_shape,
+    workload_trace,
+)
 
 __all__ = ["configure_parser", "load_study_trace"]
 
@@ -53,12 +59,16 @@ def load_study_trace(
     block_tokens: int | None = None,
     max_requests: int | None = None,
     study_block_tokens: int | None = None,
+    shape: WorkloadShape | None = None,
 ) -> StudyTrace:
     """The study's keys for ``trace`` (see the module docstring); ``study_block_tokens``
-    groups a block trace's ids into study blocks of that many tokens."""
+    groups a block trace's ids into study blocks of that many tokens; ``shape`` shapes a
+    generated trace (by default the calibrated one)."""
+    if shape is not None:
+        check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
         group = ids_per_block(study_block_tokens, 512)
-        generated = workload_trace(trace, scale, seed)[:max_requests]
+        generated = workload_trace(trace, scale, seed, shape or WorkloadShape())[:max_requests]
         return study_trace_from_blocks(generated, 512, group)
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
@@ -222,6 +232,7 @@ def configure_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="built-in trace seed")
+    parser.add_argument("--shape", metavar="FIELD=VALUE,...", help=SHAPE_HELP)
     parser.add_argument("--max-requests", type=int, help="study only the first N requests")
     parser.add_argument(
         "--admission",
@@ -257,6 +268,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise TieringError(f"--jobs must be an int >= 1, got {args.jobs}")
     trace_name = args.trace or config.replay.trace
+    shape = None if args.shape is None else parse_shape(args.shape)
     trace = load_study_trace(
         trace_name,
         config,
@@ -265,6 +277,7 @@ def _main(args: argparse.Namespace) -> int:
         block_tokens=args.block_tokens,
         max_requests=args.max_requests,
         study_block_tokens=args.study_block_tokens,
+        shape=shape,
     )
     if not trace.block_accesses:
         raise TieringError(f"--trace: {trace_name!r} has no full block to study")
@@ -282,7 +295,9 @@ def _main(args: argparse.Namespace) -> int:
         print(json.dumps({"policy_study": rows}, indent=2, sort_keys=True))
     else:
         print(
-            f"policy study: {len(trace.key_lists):,} requests of {trace_name!r}, "
+            f"policy study: {len(trace.key_lists):,} requests of {trace_name!r}"
+            + ("" if shape is None else f" ({args.shape.replace(' ', '')})")
+            + ", "
             f"{trace.block_accesses:,} block references, {trace.unique_blocks:,} unique blocks "
             f"of {trace.block_tokens} tokens"
         )

@@ -40,6 +40,7 @@ are in docs/workloads.md ("Realistic generated traces").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -49,7 +50,16 @@ from tiering.config import WORKLOAD_TRACES
 from tiering.errors import ConfigurationError
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
-__all__ = ["WORKLOAD_TRACES", "WorkloadMix", "WorkloadShape", "generate", "workload_trace"]
+__all__ = [
+    "WORKLOAD_TRACES",
+    "WorkloadMix",
+    "SHAPE_HELP",
+    "WorkloadShape",
+    "check_shape_applies",
+    "generate",
+    "parse_shape",
+    "workload_trace",
+]
 
 
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
@@ -92,6 +102,47 @@ class WorkloadShape:
                 raise ConfigurationError(
                     f"WorkloadShape.{field} must be {valid}, got {getattr(self, field)!r}"
                 )
+
+
+def check_shape_applies(trace: str) -> None:
+    """A shape is for a generated trace: :class:`~tiering.errors.ConfigurationError` unless
+    ``trace`` names one."""
+    if trace not in _MIXES:
+        raise ConfigurationError(
+            f"--shape applies to the generated traces ({', '.join(WORKLOAD_TRACES)}); "
+            f"{trace!r} is not one"
+        )
+
+
+#: The command line's ``--shape`` help (``policy-study`` and ``replay``).
+SHAPE_HELP = (
+    "a generated trace's shape: fields of WorkloadShape (continue_beta_a, tenants, "
+    "catalog_share, catalog_alpha, think_time_scale), e.g. think_time_scale=5,tenants=3; "
+    "default: the calibrated shape"
+)
+
+
+def parse_shape(text: str) -> WorkloadShape:
+    """``FIELD=VALUE[,FIELD=VALUE...]`` (the command line's ``--shape``) as a
+    :class:`WorkloadShape`; a field not named keeps its calibrated value.
+    :class:`~tiering.errors.ConfigurationError` names what is wrong and what is valid."""
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkloadShape)}
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        name, equals, raw = (piece.strip() for piece in part.partition("="))
+        if not equals or name not in defaults:
+            raise ConfigurationError(
+                f"--shape: {part.strip()!r} is not FIELD=VALUE with a field of "
+                f"{', '.join(defaults)} (e.g. think_time_scale=5,tenants=3)"
+            )
+        if name in values:
+            raise ConfigurationError(f"--shape: {name} is given twice")
+        try:
+            values[name] = int(raw) if isinstance(defaults[name], int) else float(raw)
+        except ValueError:
+            kind = "an int" if isinstance(defaults[name], int) else "a number"
+            raise ConfigurationError(f"--shape: {name} must be {kind}, got {raw!r}") from None
+    return WorkloadShape(**values)  # type: ignore[arg-type]
 
 
 _CATALOG_SIZE = 2_000
