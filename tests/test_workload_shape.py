@@ -8,6 +8,7 @@ import runpy
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,20 +187,25 @@ def test_parse_shape_names_what_is_wrong(text: str, message: str) -> None:
     assert message in str(caught.value)
 
 
-def _study_json(config: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> list[dict]:
+def _study_args(tmp_path: Path, *extra: str) -> list[str]:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
     args = ["policy-study", "--config", str(config), "--trace", "conversation"]
-    args += ["--scale", "tiny", "--policies", "lru", "--sizes", "0.05", "--json", *extra]
-    assert cli_main(args) == 0
+    return [*args, "--scale", "tiny", "--policies", "lru", "--sizes", "0.05", *extra]
+
+
+def _study_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str
+) -> list[dict[str, Any]]:
+    assert cli_main(_study_args(tmp_path, "--json", *extra)) == 0
     return json.loads(capsys.readouterr().out)["policy_study"]
 
 
 def test_policy_study_shape_studies_the_shaped_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "tiering.yaml"
-    config.write_text(CONFIG)
-    shaped = _study_json(config, capsys, "--shape", "tenants=1,think_time_scale=5")
-    calibrated = _study_json(config, capsys)
+    shaped = _study_json(tmp_path, capsys, "--shape", "tenants=1,think_time_scale=5")
+    calibrated = _study_json(tmp_path, capsys)
     trace = study_trace_from_blocks(
         workload_trace("conversation", "tiny", 0, WorkloadShape(tenants=1, think_time_scale=5)),
         512,
@@ -247,13 +253,8 @@ def test_replay_shape_replays_the_shaped_trace(
 def test_policy_study_text_names_the_shape(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "tiering.yaml"
-    config.write_text(CONFIG)
-    args = ["policy-study", "--config", str(config), "--trace", "conversation", "--scale"]
-    args += ["tiny", "--policies", "lru", "--sizes", "0.05", "--no-progress"]
-    assert cli_main([*args, "--shape", "tenants=1, think_time_scale=5"]) == 0
+    args = _study_args(tmp_path, "--no-progress", "--shape", "tenants=1, think_time_scale=5")
+    assert cli_main(args) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert (
-        first.startswith("policy study: ")
-        and "'conversation' (tenants=1,think_time_scale=5)," in first
-    )
+    assert first.startswith("policy study: ")
+    assert "'conversation' (tenants=1,think_time_scale=5)," in first
