@@ -111,13 +111,18 @@ def test_the_catalog_share_sets_how_often_documents_are_reused() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "valid"),
     [
-        ("continue_beta_a", 0.0, "> 0"),
-        ("continue_beta_a", float("nan"), "> 0"),
+        ("continue_beta_a", 0.0, "a finite number > 0"),
+        ("continue_beta_a", float("nan"), "a finite number > 0"),
+        ("continue_beta_a", float("inf"), "a finite number > 0"),
         ("tenants", 0, "an int >= 1"),
         ("tenants", 2.0, "an int >= 1"),
-        ("catalog_share", 1.5, "in \\[0, 1\\]"),
-        ("catalog_alpha", -1.0, ">= 0"),
-        ("think_time_scale", 0.0, "> 0"),
+        ("tenants", True, "an int >= 1"),
+        ("catalog_share", 1.5, "a number in \\[0, 1\\]"),
+        ("catalog_share", "0.5", "a number in \\[0, 1\\]"),
+        ("catalog_alpha", -1.0, "a finite number >= 0"),
+        ("think_time_scale", 0.0, "a finite number > 0"),
+        ("think_time_scale", float("inf"), "a finite number > 0"),
+        ("think_time_scale", False, "a finite number > 0"),
     ],
 )
 def test_bad_shapes_name_the_field_the_value_and_what_is_valid(

@@ -70,8 +70,8 @@ _REQUESTS_PER_HOUR = 12_000
 class WorkloadShape:
     """What generated traffic looks like beyond its mix; the defaults are the calibrated shape
     (the module docstring, docs/workloads.md). Other values shape a trace to an operator's
-    traffic, or test a policy on traffic no tuning saw (``benchmarks/bench_policies.py
-    --variants``).
+    traffic, or test a policy on traffic no tuning saw
+    (``benchmarks/bench_policy_variants.py``).
 
     - ``continue_beta_a``: a conversation's chance of another turn is Beta(a, a + 1): 2 turns
       on average for every ``a`` (before the cap of 40); a smaller ``a`` makes conversations
@@ -90,18 +90,21 @@ class WorkloadShape:
     think_time_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if type(self.tenants) is not int or self.tenants < 1:
+            raise ConfigurationError(
+                f"WorkloadShape.tenants must be an int >= 1, got {self.tenants!r}"
+            )
         checks = (
-            ("continue_beta_a", self.continue_beta_a > 0, "> 0"),
-            ("tenants", type(self.tenants) is int and self.tenants >= 1, "an int >= 1"),
-            ("catalog_share", 0.0 <= self.catalog_share <= 1.0, "in [0, 1]"),
-            ("catalog_alpha", self.catalog_alpha >= 0, ">= 0"),
-            ("think_time_scale", self.think_time_scale > 0, "> 0"),
+            ("continue_beta_a", lambda v: v > 0, "a finite number > 0"),
+            ("catalog_share", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            ("catalog_alpha", lambda v: v >= 0, "a finite number >= 0"),
+            ("think_time_scale", lambda v: v > 0, "a finite number > 0"),
         )
-        for field, ok, valid in checks:
-            if not ok:
-                raise ConfigurationError(
-                    f"WorkloadShape.{field} must be {valid}, got {getattr(self, field)!r}"
-                )
+        for field, in_range, valid in checks:
+            value = getattr(self, field)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and in_range(value)):
+                raise ConfigurationError(f"WorkloadShape.{field} must be {valid}, got {value!r}")
 
 
 def check_shape_applies(trace: str) -> None:
