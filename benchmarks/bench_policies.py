@@ -14,7 +14,8 @@ hits are the reference). ``ok`` marks the hybrid policy's targets: at every size
 
 Usage: python benchmarks/bench_policies.py [--quick] [--seeds 0,1] [--traces a,b] [--jobs N]
 [--files a.jsonl,b.jsonl [--block-tokens N] [--study-block-tokens N]]
-(``--quick``: the tiny scale, a tenth of the requests; ``--jobs``: (policy, size) pairs
+(``--quick``: the tiny scale, a tenth of the requests, a smoke run: hybrid's shadows watch
+for minutes only, so its figures say little of the policies; ``--jobs``: (policy, size) pairs
 studied at once in forked processes, by default one per CPU: it measures no time; ``--files``:
 block-trace files,
 Mooncake's or Qwen-Bailian's, judged by the same columns instead of the generated traces:
