@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from tiering.cli import main as cli_main
-from tiering.errors import ConfigurationError
+from tiering.config import load_config
+from tiering.config.workload_shape import format_shape
+from tiering.errors import ConfigError, ConfigurationError
 from tiering.replay import runner
 from tiering.replay.block_trace import BlockRequest, block_summary
 from tiering.replay.replay_run import load_trace
@@ -194,7 +196,8 @@ def test_parse_shape_names_what_is_wrong(text: str, message: str) -> None:
 
 def _study_args(tmp_path: Path, *extra: str) -> list[str]:
     config = tmp_path / "tiering.yaml"
-    config.write_text(CONFIG)
+    if not config.exists():  # a test may have written its own
+        config.write_text(CONFIG)
     args = ["policy-study", "--config", str(config), "--trace", "conversation"]
     return [*args, "--scale", "tiny", "--policies", "lru", "--sizes", "0.05", *extra]
 
@@ -241,18 +244,25 @@ def test_shape_of_a_trace_that_is_not_generated_is_refused_before_any_work(
     assert wiped == []  # replay --fresh deleted nothing
 
 
-def test_replay_shape_replays_the_shaped_trace(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("where", ["option", "config"])
+def test_replay_replays_the_shaped_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
 ) -> None:
     config = tmp_path / "tiering.yaml"
-    config.write_text(CONFIG)
-    args = ["replay", "--config", str(config), "--trace", "conversation", "--scale", "tiny"]
-    args += ["--shape", "tenants=1", "--max-requests", "4", "--engine-blocks", "8192"]
-    assert cli_main([*args, "--json", "--no-progress"]) == 0
+    args = ["replay", "--config", str(config), "--scale", "tiny", "--max-requests", "4"]
+    args += ["--engine-blocks", "8192", "--json", "--no-progress"]
+    if where == "option":
+        config.write_text(CONFIG)
+        args += ["--trace", "conversation", "--shape", "tenants=1"]
+    else:
+        config.write_text(CONFIG + 'replay: {trace: conversation, shape: "tenants=1"}\n')
+    assert cli_main(args) == 0
     report = json.loads(capsys.readouterr().out)
     shaped = load_trace("conversation", "tiny", 0, shape=WorkloadShape(tenants=1))[:4]
+    calibrated = load_trace("conversation", "tiny", 0)[:4]
     assert report["requests"] == 4
     assert report["prompt_tokens"] == sum(r.num_prompt_tokens for r in shaped)
+    assert report["prompt_tokens"] != sum(r.num_prompt_tokens for r in calibrated)
 
 
 def test_policy_study_text_names_the_shape(
@@ -262,4 +272,56 @@ def test_policy_study_text_names_the_shape(
     assert cli_main(args) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("policy study: ")
-    assert "'conversation' (tenants=1,think_time_scale=5)," in first
+    assert "'conversation' (tenants=1,think_time_scale=5.0)," in first
+
+
+# -- replay.shape in the config -----------------------------------------------------------------
+
+
+def test_format_shape_round_trips_through_parse_shape() -> None:
+    shape = WorkloadShape(tenants=3, think_time_scale=0.5)
+    assert format_shape(shape) == "tenants=3,think_time_scale=0.5"
+    assert parse_shape(format_shape(shape)) == shape
+    assert format_shape(WorkloadShape()) == ""
+
+
+def test_the_configs_shape_is_the_default_for_a_generated_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shaped_config = (
+        CONFIG + 'replay: {trace: conversation, shape: "tenants=1, think_time_scale=5"}\n'
+    )
+    (tmp_path / "shaped").mkdir()
+    (tmp_path / "shaped" / "tiering.yaml").write_text(shaped_config)
+    assert load_config(tmp_path / "shaped" / "tiering.yaml").replay.shape == (
+        "tenants=1, think_time_scale=5"
+    )
+    from_config = _study_json(tmp_path / "shaped", capsys)
+    from_option = _study_json(tmp_path, capsys, "--shape", "tenants=1,think_time_scale=5")
+    assert from_config == from_option
+    # --shape overrides the config's shape; another --trace leaves it unused.
+    args = _study_args(tmp_path / "shaped", "--json", "--shape", "tenants=2")
+    assert cli_main(args) == 0
+    assert json.loads(capsys.readouterr().out)["policy_study"] != from_config
+    chat = _study_args(tmp_path / "shaped", "--json", "--max-requests", "5")
+    chat[chat.index("conversation")] = "chat"
+    assert cli_main(chat) == 0
+
+
+@pytest.mark.parametrize(
+    ("replay", "message"),
+    [
+        ('{trace: production, shape: "tenants=0"}', "replay.shape: WorkloadShape.tenants must be"),
+        ('{trace: production, shape: "speed=2"}', "replay.shape: 'speed=2' is not FIELD=VALUE"),
+        ('{trace: chat, shape: "tenants=3"}', "replay.shape: applies to the generated traces"),
+    ],
+)
+def test_a_bad_config_shape_is_a_config_error_at_its_line(
+    tmp_path: Path, replay: str, message: str
+) -> None:
+    path = tmp_path / "tiering.yaml"
+    path.write_text(CONFIG + f"replay: {replay}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert message in str(caught.value)
+    assert ":6" in str(caught.value)  # the replay key's line

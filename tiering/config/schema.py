@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiering.backends.settings import NoSettings, SettingsProblem, format_size
+from tiering.config.workload_shape import parse_shape
 from tiering.core.block_format import make_layout_fingerprint
 from tiering.core.groups import KVCacheSpec
 from tiering.core.identity import layout_identity
@@ -331,6 +332,14 @@ class ReplaySettings:
     )
     scale: str = field(default="demo", metadata={"doc": "scale of a built-in trace"})
     seed: int = field(default=0, metadata={"min": 0, "doc": "seed of a built-in trace"})
+    shape: str | None = field(
+        default=None,
+        metadata={
+            "doc": "shape of a generated trace (conversation, toolagent, documents, production): "
+            "FIELD=VALUE,... of continue_beta_a, tenants, catalog_share, catalog_alpha, "
+            "think_time_scale (default: the calibrated shape)"
+        },
+    )
     engine_blocks: int = field(
         default=1024, metadata={"min": 2, "doc": "engine KV-cache blocks to allocate"}
     )
@@ -344,6 +353,18 @@ class ReplaySettings:
             raise SettingsProblem(
                 "scale", f"{self.scale!r} is not a trace scale; valid: {', '.join(SCALES)}"
             )
+        if self.shape is not None:
+            try:
+                parse_shape(self.shape)
+            except ConfigurationError as exc:
+                raise SettingsProblem("shape", str(exc), self.shape) from None
+            if self.trace not in WORKLOAD_TRACES:
+                raise SettingsProblem(
+                    "shape",
+                    f"applies to the generated traces ({', '.join(WORKLOAD_TRACES)}); "
+                    f"replay.trace {self.trace!r} is not one",
+                    self.shape,
+                )
 
 
 # The file's top level: its keys, the sections among them (a dataclass each), the scalars.

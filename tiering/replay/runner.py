@@ -31,7 +31,7 @@ from tiering.policies import get_policy_class
 from tiering.replay.replay_output import format_report, format_study, plot_study
 from tiering.replay.replay_run import ReplayOptions, ReplayStep, load_trace, run_replay
 from tiering.replay.study import policy_study
-from tiering.replay.workloads import SHAPE_HELP, check_shape_applies, parse_shape
+from tiering.replay.workloads import SHAPE_HELP, resolve_shape
 
 __all__ = [
     "ReplayOptions",
@@ -132,10 +132,9 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         progress=not args.no_progress and not args.json,
         device=args.device,
         block_tokens=args.block_tokens,
-        shape=None if args.shape is None else parse_shape(args.shape),
+        # Checked here, before --fresh deletes anything.
+        shape=resolve_shape(args.shape, settings.shape, options.trace),
     )
-    if options.shape is not None:  # before --fresh deletes anything
-        check_shape_applies(options.trace)
     return options
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.config import WORKLOAD_TRACES, TierConfig, TieringConfig, load_config
+from tiering.config.workload_shape import format_shape
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import available_policies, get_policy_class
@@ -41,7 +42,7 @@ from tiering.replay.workloads import (
     SHAPE_HELP,
     WorkloadShape,
     check_shape_applies,
-    parse_shape,
+    resolve_shape,
     workload_trace,
 )
 
@@ -268,7 +269,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise TieringError(f"--jobs must be an int >= 1, got {args.jobs}")
     trace_name = args.trace or config.replay.trace
-    shape = None if args.shape is None else parse_shape(args.shape)
+    shape = resolve_shape(args.shape, config.replay.shape, trace_name)
     trace = load_study_trace(
         trace_name,
         config,
@@ -296,7 +297,7 @@ def _main(args: argparse.Namespace) -> int:
     else:
         print(
             f"policy study: {len(trace.key_lists):,} requests of {trace_name!r}"
-            + ("" if shape is None else f" ({args.shape.replace(' ', '')})")
+            + ("" if shape is None else f" ({format_shape(shape)})")
             + ", "
             f"{trace.block_accesses:,} block references, {trace.unique_blocks:,} unique blocks "
             f"of {trace.block_tokens} tokens"

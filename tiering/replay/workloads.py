@@ -40,17 +40,18 @@ are in docs/workloads.md ("Realistic generated traces").
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiering.config import WORKLOAD_TRACES
+from tiering.config.workload_shape import WorkloadShape, parse_shape
 from tiering.errors import ConfigurationError
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
 __all__ = [
+    "CALIBRATED",
     "WORKLOAD_TRACES",
     "WorkloadMix",
     "SHAPE_HELP",
@@ -58,53 +59,15 @@ __all__ = [
     "check_shape_applies",
     "generate",
     "parse_shape",
+    "resolve_shape",
     "workload_trace",
 ]
 
 
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
+#: The calibrated shape (:class:`WorkloadShape`'s defaults).
+CALIBRATED = WorkloadShape()
 _REQUESTS_PER_HOUR = 12_000
-
-
-@dataclass(frozen=True)
-class WorkloadShape:
-    """What generated traffic looks like beyond its mix; the defaults are the calibrated shape
-    (the module docstring, docs/workloads.md). Other values shape a trace to an operator's
-    traffic, or test a policy on traffic no tuning saw
-    (``benchmarks/bench_policy_variants.py``).
-
-    - ``continue_beta_a``: a conversation's chance of another turn is Beta(a, a + 1): 2 turns
-      on average for every ``a`` (before the cap of 40); a smaller ``a`` makes conversations
-      differ more (at 0.6, 73 % have one turn).
-    - ``tenants``: tenants, each with its own system and tool prompt, Zipf-popular.
-    - ``catalog_share``: the share of documents asked about that come from a catalog of popular
-      ones (the rest are one-off uploads); ``catalog_alpha``: the catalog's Zipf exponent.
-    - ``think_time_scale``: every delay between a session's requests (think, ask, tool run)
-      times this.
-    """
-
-    continue_beta_a: float = 0.6
-    tenants: int = 24
-    catalog_share: float = 0.4
-    catalog_alpha: float = 0.9
-    think_time_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if type(self.tenants) is not int or self.tenants < 1:
-            raise ConfigurationError(
-                f"WorkloadShape.tenants must be an int >= 1, got {self.tenants!r}"
-            )
-        checks = (
-            ("continue_beta_a", lambda v: v > 0, "a finite number > 0"),
-            ("catalog_share", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-            ("catalog_alpha", lambda v: v >= 0, "a finite number >= 0"),
-            ("think_time_scale", lambda v: v > 0, "a finite number > 0"),
-        )
-        for field, in_range, valid in checks:
-            value = getattr(self, field)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (number and math.isfinite(value) and in_range(value)):
-                raise ConfigurationError(f"WorkloadShape.{field} must be {valid}, got {value!r}")
 
 
 def check_shape_applies(trace: str) -> None:
@@ -117,35 +80,27 @@ def check_shape_applies(trace: str) -> None:
         )
 
 
+def resolve_shape(option: str | None, configured: str | None, trace: str) -> WorkloadShape | None:
+    """The shape a command generates ``trace`` in: its ``--shape`` (``option``; an error unless
+    ``trace`` is a generated trace), else the config's ``replay.shape`` (``configured``) where
+    ``trace`` is generated, else ``None`` (the calibrated shape)."""
+    if option is not None:
+        check_shape_applies(trace)
+        try:
+            return parse_shape(option)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"--shape: {exc}") from None
+    if configured is not None and trace in _MIXES:
+        return parse_shape(configured)
+    return None
+
+
 #: The command line's ``--shape`` help (``policy-study`` and ``replay``).
 SHAPE_HELP = (
     "a generated trace's shape: fields of WorkloadShape (continue_beta_a, tenants, "
     "catalog_share, catalog_alpha, think_time_scale), e.g. think_time_scale=5,tenants=3; "
     "default: the calibrated shape"
 )
-
-
-def parse_shape(text: str) -> WorkloadShape:
-    """``FIELD=VALUE[,FIELD=VALUE...]`` (the command line's ``--shape``) as a
-    :class:`WorkloadShape`; a field not named keeps its calibrated value.
-    :class:`~tiering.errors.ConfigurationError` names what is wrong and what is valid."""
-    defaults = {f.name: f.default for f in dataclasses.fields(WorkloadShape)}
-    values: dict[str, float] = {}
-    for part in text.split(","):
-        name, equals, raw = (piece.strip() for piece in part.partition("="))
-        if not equals or name not in defaults:
-            raise ConfigurationError(
-                f"--shape: {part.strip()!r} is not FIELD=VALUE with a field of "
-                f"{', '.join(defaults)} (e.g. think_time_scale=5,tenants=3)"
-            )
-        if name in values:
-            raise ConfigurationError(f"--shape: {name} is given twice")
-        try:
-            values[name] = int(raw) if isinstance(defaults[name], int) else float(raw)
-        except ValueError:
-            kind = "an int" if isinstance(defaults[name], int) else "a number"
-            raise ConfigurationError(f"--shape: {name} must be {kind}, got {raw!r}") from None
-    return WorkloadShape(**values)  # type: ignore[arg-type]
 
 
 _CATALOG_SIZE = 2_000
@@ -352,7 +307,7 @@ def generate(
     duration_s: float = 3_600.0,
     requests_per_hour: float = _REQUESTS_PER_HOUR,
     seed: int = 0,
-    shape: WorkloadShape = WorkloadShape(),
+    shape: WorkloadShape = CALIBRATED,
 ) -> list[BlockRequest]:
     """Requests of ``mix`` and ``shape`` arriving over ``duration_s`` at about
     ``requests_per_hour`` (requests a session would send after ``duration_s`` are dropped), by
@@ -386,7 +341,7 @@ def generate(
 
 
 def workload_trace(
-    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape = WorkloadShape()
+    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape = CALIBRATED
 ) -> list[BlockRequest]:
     """The built-in realistic trace ``name`` at ``scale`` (see the module docstring), of
     ``shape`` (by default the calibrated one)."""
