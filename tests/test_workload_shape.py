@@ -260,7 +260,7 @@ def test_replay_replays_the_shaped_trace(
     report = json.loads(capsys.readouterr().out)
     shaped = load_trace("conversation", "tiny", 0, shape=WorkloadShape(tenants=1))[:4]
     calibrated = load_trace("conversation", "tiny", 0)[:4]
-    assert report["requests"] == 4
+    assert report["requests"] == 4 and report["shape"] == "tenants=1"
     assert report["prompt_tokens"] == sum(r.num_prompt_tokens for r in shaped)
     assert report["prompt_tokens"] != sum(r.num_prompt_tokens for r in calibrated)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiering.config import TieringConfig
+from tiering.config.workload_shape import format_shape
 from tiering.replay.sim_engine import RequestResult
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ def build_report(
         "trace": options.trace,
         "scale": options.scale,
         "seed": options.seed,
+        "shape": None if options.shape is None else format_shape(options.shape),
         "requests": len(results),
         "prompt_tokens": prompt_tokens,
         "prefill_tokens_saved": hit_tokens,
