@@ -79,7 +79,7 @@ def load_trace(
     if shape is not None:
         check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
-        return list(to_requests(workload_trace(trace, scale, seed, shape or WorkloadShape())))
+        return list(to_requests(workload_trace(trace, scale, seed, shape)))
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:

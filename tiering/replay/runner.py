@@ -125,7 +125,7 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         "max_requests": args.max_requests,
     }
     options = replace(options, **{k: v for k, v in overrides.items() if v is not None})
-    options = replace(
+    return replace(
         options,
         verify=options.verify and not args.no_verify,
         overlap=args.overlap,
@@ -135,7 +135,6 @@ def _options(config: TieringConfig, args: argparse.Namespace) -> ReplayOptions:
         # Checked here, before --fresh deletes anything.
         shape=resolve_shape(args.shape, settings.shape, options.trace),
     )
-    return options
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def load_study_trace(
         check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
         group = ids_per_block(study_block_tokens, 512)
-        generated = workload_trace(trace, scale, seed, shape or WorkloadShape())[:max_requests]
+        generated = workload_trace(trace, scale, seed, shape)[:max_requests]
         return study_trace_from_blocks(generated, 512, group)
     if trace.endswith(".jsonl") or "/" in trace:
         path = Path(trace)

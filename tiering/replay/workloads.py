@@ -51,7 +51,6 @@ from tiering.errors import ConfigurationError
 from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, BlockRequest
 
 __all__ = [
-    "CALIBRATED",
     "WORKLOAD_TRACES",
     "WorkloadMix",
     "SHAPE_HELP",
@@ -65,8 +64,7 @@ __all__ = [
 
 
 _SCALE_HOURS = {"tiny": 0.1, "demo": 1.0, "large": 5.0}
-#: The calibrated shape (:class:`WorkloadShape`'s defaults).
-CALIBRATED = WorkloadShape()
+_CALIBRATED = WorkloadShape()
 _REQUESTS_PER_HOUR = 12_000
 
 
@@ -185,7 +183,6 @@ class _Generator:
         self.tools = [self._root(_lognormal(rng, 7_000, 0.4, 3_000, 16_000)) for _ in tenants]
         weights = [1.0 / (k + 1) ** 1.1 for k in tenants]
         self.tenant_weights = weights
-        self._tenants = list(tenants)
         # Popular documents (a tenant's manuals, a trending paper): a Zipf catalog, each a
         # tenant's system prompt then the document, made when first asked about.
         self.catalog_weights = [1.0 / (k + 1) ** shape.catalog_alpha for k in range(_CATALOG_SIZE)]
@@ -202,7 +199,7 @@ class _Generator:
         return _lognormal(self.rng, median_s * scale, sigma, low_s * scale, high_s * scale)
 
     def _tenant(self) -> int:
-        return self.rng.choices(self._tenants, self.tenant_weights)[0]
+        return self.rng.choices(range(self.shape.tenants), self.tenant_weights)[0]
 
     def _emit(self, at_s: float, context: _Context, output: int, kind: str) -> None:
         label = f"{kind}{self.sessions}"  # the session: request ids name it
@@ -307,11 +304,11 @@ def generate(
     duration_s: float = 3_600.0,
     requests_per_hour: float = _REQUESTS_PER_HOUR,
     seed: int = 0,
-    shape: WorkloadShape = CALIBRATED,
+    shape: WorkloadShape | None = None,
 ) -> list[BlockRequest]:
-    """Requests of ``mix`` and ``shape`` arriving over ``duration_s`` at about
-    ``requests_per_hour`` (requests a session would send after ``duration_s`` are dropped), by
-    arrival time."""
+    """Requests of ``mix`` and ``shape`` (``None``: the calibrated one) arriving over
+    ``duration_s`` at about ``requests_per_hour`` (requests a session would send after
+    ``duration_s`` are dropped), by arrival time."""
     shares = {"conversation": mix.conversation, "agent": mix.agent, "document": mix.document}
     total = sum(shares.values())
     if total <= 0 or min(shares.values()) < 0:
@@ -320,7 +317,7 @@ def generate(
         raise ConfigurationError(
             f"duration_s and requests_per_hour must be > 0, got {duration_s}, {requests_per_hour}"
         )
-    gen = _Generator(seed, shape)
+    gen = _Generator(seed, shape or _CALIBRATED)
     kinds = [k for k, share in shares.items() if share > 0]
     weights = [shares[k] / total for k in kinds]
     per_session = sum(w * _REQUESTS_PER_SESSION[k] for k, w in zip(kinds, weights, strict=True))
@@ -341,10 +338,10 @@ def generate(
 
 
 def workload_trace(
-    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape = CALIBRATED
+    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape | None = None
 ) -> list[BlockRequest]:
     """The built-in realistic trace ``name`` at ``scale`` (see the module docstring), of
-    ``shape`` (by default the calibrated one)."""
+    ``shape`` (``None``: the calibrated one)."""
     if name not in _MIXES:
         raise ConfigurationError(
             f"unknown realistic trace {name!r}; valid names: {', '.join(WORKLOAD_TRACES)}"
