@@ -35,7 +35,8 @@ def _keys(requests: list[list[int]]) -> list[list[OffloadKey]]:
 def test_the_study_hits_what_the_cpu_manager_hits(requests: list[list[int]], capacity: int) -> None:
     key_lists = _keys(requests)
     for name in available_policies():
-        study = simulate_cpu(get_policy_class(name)(capacity), key_lists).flags
+        studied = get_policy_class(name)(capacity)
+        study = simulate_cpu(studied, key_lists).flags
         manager = CPUOffloadingManager(capacity, name)
         flags = bytearray()
         for keys in key_lists:
@@ -47,6 +48,9 @@ def test_the_study_hits_what_the_cpu_manager_hits(requests: list[list[int]], cap
             assert out is not None, name
             manager.complete_store(out.keys_to_store)
         assert flags == study, name
+        # The same calls: the same rule followed (hybrid's duel), switched as often.
+        policy = manager.policy
+        assert (policy.rule, policy.rule_switches) == (studied.rule, studied.rule_switches), name
 
 
 @settings(max_examples=60, deadline=None)

@@ -199,7 +199,10 @@ class TieringLifecycle(OffloadingManager):
         primary's own counters (:meth:`CPUOffloadingManager.counters`: ``stored_blocks``,
         ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``). Each
         tier by name: its state, usage, :class:`~tiering.managers.secondary_tier.TierMetrics`
-        counters and its backend's stats."""
+        counters and its backend's stats. The primary and each open tier (not a shared one: its
+        store evicts) also name the victim rule their eviction policy follows now
+        (``eviction_rule``, one of ``eviction_rules``) and how often it changed
+        (``eviction_rule_switches``; only ``hybrid`` switches)."""
         return self._stats.metrics()
 
     # -- waiting and lifecycle --------------------------------------------------------------------

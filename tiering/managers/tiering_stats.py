@@ -4,7 +4,10 @@ The primary reports as ``"primary"`` in the totals (its medium, ``"CPU"``, in th
 size, its own counters (:meth:`~tiering.managers.cpu_manager.CPUOffloadingManager.counters`),
 the keys lookups found in it by answer, and the promotions that found no room in it. Each
 tier reports by name: its :class:`~tiering.managers.secondary_tier.TierMetrics` counters and,
-in the totals, its state, usage and its backend's stats.
+in the totals, its state, usage and its backend's stats. The totals name, for the primary and
+each open tier but a shared one (its store evicts), the victim rule its eviction policy follows
+(``eviction_rule``, of ``eviction_rules``) and how often that changed
+(``eviction_rule_switches``: ``hybrid``'s duel).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from tiering.managers.promotions import Promotions
 from tiering.managers.protocol import ManagerStats
 from tiering.managers.secondary_tier import SecondaryTier
 from tiering.managers.tier_lookups import LookupCounts
+from tiering.policies import EvictionPolicy
 
-__all__ = ["TieringStats"]
+__all__ = ["TieringStats", "eviction_rule_fields"]
 
 
 class TieringStats:
@@ -71,6 +75,7 @@ class TieringStats:
                 "lookup_pending": pending,
                 "lookup_misses": misses,
                 **self.primary.counters(),
+                **eviction_rule_fields(self.primary.policy),
             }
         }
         for tier in self.tiers:
@@ -87,4 +92,16 @@ class TieringStats:
                 **tier.metrics.counters(),
                 "backend": vars(tier.backend.stats),
             }
+            if tier.is_open and not tier.shared:  # a shared tier's store evicts, not a policy
+                out[tier.name].update(eviction_rule_fields(tier.policy))
         return out
+
+
+def eviction_rule_fields(policy: EvictionPolicy) -> dict[str, Any]:
+    """The rule ``policy`` follows now, the rules it may follow and its switches (for
+    ``tiering_eviction_rule`` and ``tiering_eviction_rule_switches``)."""
+    return {
+        "eviction_rule": policy.rule,
+        "eviction_rules": list(policy.rules),
+        "eviction_rule_switches": policy.rule_switches,
+    }

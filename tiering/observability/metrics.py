@@ -143,6 +143,21 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "Keys quarantined after a failed read (treated as absent for a while).",
     ),
+    # -- eviction ------------------------------------------------------------------------------
+    MetricSpec(
+        "tiering_eviction_rule",
+        "gauge",
+        "1 for the victim rule the tier's eviction policy follows now, 0 for the others it may "
+        "follow (hybrid: hybrid, lru or arc, chosen by its shadow caches; another policy: its "
+        "name).",
+        ("rule",),
+    ),
+    MetricSpec(
+        "tiering_eviction_rule_switches",
+        "counter",
+        "Times the tier's eviction policy changed the rule it follows (hybrid; 0 for a "
+        "policy of one rule).",
+    ),
     # -- a shared tier (no index: it asks the store) ---------------------------------------------
     MetricSpec(
         "tiering_existence_checks",
@@ -253,6 +268,7 @@ def read_samples(manager: ManagerLike) -> Iterator[Sample]:
     yield Sample("tiering_written_bytes", labels, primary["stored_blocks"] * row_bytes)
     yield Sample("tiering_read_bytes", labels, primary["loaded_blocks"] * row_bytes)
     yield Sample("tiering_failures", (*labels, "store"), primary["failed_stores"])
+    yield from _rule_samples(labels, primary)
     for tier in manager.tiers:
         yield from _tier_samples(tier, counters[tier.name], manager.row_bytes)
 
@@ -297,6 +313,7 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
                      counters["writes_skipped_cached"])  # fmt: skip
         yield Sample("tiering_skipped_writes", (*labels, "present"),
                      counters["put_skipped_present"])  # fmt: skip
+    yield from _rule_samples(labels, counters)
     backend = counters["backend"]
     for op, key in (("put", "puts"), ("get", "gets"), ("delete", "deletes")):
         yield Sample("tiering_backend_operations", (*labels, op), backend[key])
@@ -308,6 +325,16 @@ def _tier_samples(tier: _TierLike, counters: dict[str, Any], row_bytes: int) -> 
         ("put_failure", "put_failures"),
     ):
         yield Sample("tiering_backend_results", (*labels, result), backend[key])
+
+
+def _rule_samples(labels: tuple[str, str], counters: dict[str, Any]) -> Iterator[Sample]:
+    # A tier that is not open has no policy, and no rule to report.
+    if "eviction_rule" not in counters:
+        return
+    followed = counters["eviction_rule"]
+    for rule in counters["eviction_rules"]:
+        yield Sample("tiering_eviction_rule", (*labels, rule), 1 if rule == followed else 0)
+    yield Sample("tiering_eviction_rule_switches", labels, counters["eviction_rule_switches"])
 
 
 def latency_records(manager: ManagerLike) -> Iterator[tuple[tuple[str, str, str], LatencyRecord]]:

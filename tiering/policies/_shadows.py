@@ -243,7 +243,17 @@ class ShadowDuel:
     :attr:`leader` is the name of the rule the real cache should follow (the first at start).
     """
 
-    __slots__ = ("_half", "_lead", "_mask", "_names", "_scores", "_seen", "_shadows", "_touched")
+    __slots__ = (
+        "_half",
+        "_lead",
+        "_mask",
+        "_names",
+        "_scores",
+        "_seen",
+        "_shadows",
+        "_touched",
+        "switches",
+    )
 
     def __init__(self, capacity: int, rules: Sequence[str]) -> None:
         bits = sample_bits(capacity)
@@ -259,6 +269,8 @@ class ShadowDuel:
         self._seen = 0
         self._half = HALF_LIFE_CAPACITIES * shadow_capacity
         self._touched: frozenset[bytes] = frozenset()
+        #: Changes of :attr:`leader` since the duel was built (:meth:`clear` keeps the count).
+        self.switches = 0
 
     @property
     def leader(self) -> str:
@@ -288,6 +300,8 @@ class ShadowDuel:
             self._refer(sampled)
 
     def clear(self) -> None:
+        """Forget every shadow's keys and the scores; the first rule leads again (not counted
+        as a switch)."""
         for shadow in self._shadows:
             shadow.clear()
         self._scores = [0.0] * len(self._scores)
@@ -320,3 +334,4 @@ class ShadowDuel:
         best = max(range(len(scores)), key=scores.__getitem__)
         if best != lead and scores[best] - scores[lead] >= max(MIN_LEAD, LEAD_SHARE * scores[lead]):
             self._lead = best
+            self.switches += 1

@@ -51,6 +51,10 @@ class EvictionPolicy(ABC):
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
       no call pays at once for pinned keys that piled up at the oldest end.
+    - :attr:`rule` names the victim rule followed now, one of :attr:`rules`;
+      :attr:`rule_switches` counts its changes. A policy of one rule (LRU, ARC) names itself
+      and never switches; an adaptive one (``hybrid``) names the rule it follows at the moment.
+      Metrics read them from another thread: each is an attribute read, nothing more.
     - No method blocks or does I/O; none is thread-safe.
     """
 
@@ -61,6 +65,23 @@ class EvictionPolicy(ABC):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
+
+    @property
+    def rule(self) -> str:
+        """The victim rule followed now, one of :attr:`rules` (the default: the policy's
+        name)."""
+        return getattr(self, "name", type(self).__name__)
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """Every rule :attr:`rule` may name (a metric reports each: 1 for the one followed)."""
+        return (self.rule,)
+
+    @property
+    def rule_switches(self) -> int:
+        """How many times :attr:`rule` changed since the policy was built (a counter: kept
+        through :meth:`clear`). The default: 0."""
+        return 0
 
     @abstractmethod
     def __len__(self) -> int:

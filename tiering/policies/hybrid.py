@@ -104,6 +104,16 @@ class HybridPolicy(ARCPolicy):
         """The victim rule followed now: ``"hybrid"``, ``"lru"`` or ``"arc"``."""
         return self._FIRST_RULE if self._shadows is None else self._shadows.leader
 
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return RULES if self._shadows is not None else (self._FIRST_RULE,)
+
+    @property
+    def rule_switches(self) -> int:
+        """Changes of :attr:`rule` since the policy was built (the duel's, kept through
+        :meth:`clear`, which goes back to the first rule without counting it)."""
+        return 0 if self._shadows is None else self._shadows.switches
+
     def __iter__(self) -> Iterator[bytes]:
         # The order successive evict(1) calls take keys in, with every key evictable.
         rule = self.rule

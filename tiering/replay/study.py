@@ -18,6 +18,10 @@ Belady's MIN runs on the same requests, each looked up whole before its misses a
 (:func:`tiering.replay.belady.belady_request_hits`): it bounds every policy's block hits here
 (not their prefix hits), whatever the capacity.
 
+Each policy's row also says which victim rules it followed (``rule_shares``: the share of the
+requests that stored misses under each :attr:`~tiering.policies.base.EvictionPolicy.rule`,
+and ``rule_switches``): ``hybrid``'s duel, made visible; a policy of one rule has one share.
+
 Secondary tiers. With a config, each secondary tier is modelled with its own policy, capacity
 (its byte budget over the study's block bytes) and write policy: a CPU miss is looked up in
 the tiers in order (a hit there is served, *promoted*, and not written again); a block no tier
@@ -160,13 +164,16 @@ class TierModel:
 class _CpuRun:
     flags: bytearray
     victims: list[list[bytes]] = field(default_factory=list)  # per request, the CPU evicted
+    requests_by_rule: dict[str, int] = field(default_factory=dict)  # the rule each stored by
+    rule_switches: int = 0
 
 
 def simulate_cpu(
     policy: EvictionPolicy, key_lists: Sequence[Sequence[bytes]], *, record_victims: bool = False
 ) -> _CpuRun:
     """Drive ``policy`` (empty, its capacity the tier's) as the manager does; one hit flag
-    per access, and per request the keys evicted (``record_victims``)."""
+    per access, per request the keys evicted (``record_victims``), and how many requests
+    stored their misses under each of the policy's rules (:attr:`EvictionPolicy.rule`)."""
     capacity = policy.capacity
     flags = bytearray(sum(map(len, key_lists)))
     run = _CpuRun(flags)
@@ -175,6 +182,7 @@ def simulate_cpu(
         return run
     contains, touch = policy.__contains__, policy.touch
     evict, insert_new, note_misses = policy.evict, policy.insert_new, policy.note_misses
+    by_rule = run.requests_by_rule
     position = 0
     for keys in key_lists:
         missing: list[bytes] = []
@@ -186,6 +194,9 @@ def simulate_cpu(
         position += len(keys)
         if len(missing) < len(keys):
             touch(keys)
+        if missing:
+            rule = policy.rule
+            by_rule[rule] = by_rule.get(rule, 0) + 1
         victims: list[bytes] = []
         protected = set(keys)
         for start in range(0, len(missing), capacity):
@@ -205,6 +216,7 @@ def simulate_cpu(
             insert_new(chunk)
         if record_victims:
             run.victims.append(victims)
+    run.rule_switches = policy.rule_switches
     return run
 
 
@@ -379,9 +391,19 @@ class _Study:
             "prefill_saved_ratio": round(saved / prompt_tokens, 4) if prompt_tokens else 0,
             "bytes_stored_cpu": (accesses - sum(cpu.flags)) * block_bytes,
         }
+        if name != "belady":
+            row.update(_rule_columns(cpu))
         if self.tiers and (name != "belady" or not self.record_victims):
             row.update(_tier_columns(trace, cpu, self.tiers, block_bytes))
         return row
+
+
+def _rule_columns(cpu: _CpuRun) -> dict[str, Any]:
+    # Which victim rules an adaptive policy (hybrid) followed: shares of the requests that
+    # stored misses, and the switches; a policy of one rule shows that rule at 1.0.
+    stored = sum(cpu.requests_by_rule.values())
+    shares = {rule: round(n / stored, 4) for rule, n in sorted(cpu.requests_by_rule.items())}
+    return {"rule_shares": shares, "rule_switches": cpu.rule_switches}
 
 
 def gap_closed(ratio: float, lru: float, belady: float) -> float | None:

@@ -4,10 +4,11 @@ Every policy of the registry (built-ins and plugins, by default all of them) and
 run over the trace's block keys at CPU sizes given as fractions of the trace's unique blocks
 (the model is in :mod:`tiering.replay.study`). Per policy and size: prefix-hit and block-hit
 ratios, the share of the LRU -> Belady gap in prefix hits closed (with ``lru`` and Belady
-studied), prefill tokens saved, bytes stored in the CPU tier, and, for each secondary tier of the
-config (its own policy, capacity and write policy), blocks served, bytes written and bytes
-written per served block, with and without the tier's admission gate (its
-``admission_min_count``, or ``--admission N`` for every tier).
+studied), prefill tokens saved, bytes stored in the CPU tier, the victim rules an adaptive
+policy followed (``hybrid``: the share of requests under each, where it switched), and, for
+each secondary tier of the config (its own policy, capacity and write policy), blocks served,
+bytes written and bytes written per served block, with and without the tier's admission gate
+(its ``admission_min_count``, or ``--admission N`` for every tier).
 
 Traces: a block trace, Mooncake's or Qwen-Bailian's JSONL (``hash_ids`` of ``--block-tokens``
 tokens, by default the format's: 512, 16; the study's blocks are those, or groups of them
@@ -189,6 +190,15 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{'-' if per_hit is None else format(per_hit / 2**20, '.1f'):>12} "
                 f"{'-' if without is None else format(without / 2**20, '.1f'):>12}"
             )
+    rule_lines = [
+        f"{r['policy']:<10} {r['capacity_blocks']:>9,} {r['rule_switches']:>9,}  "
+        + ", ".join(f"{rule} {share:.1%}" for rule, share in r["rule_shares"].items())
+        for r in rows
+        if r.get("rule_switches")
+    ]
+    if rule_lines:
+        head = f"{'policy':<10} {'capacity':>9} {'switches':>9}  rules followed (requests)"
+        lines += ["", head, "-" * len(head), *rule_lines]
     if tier_lines:
         head = (
             f"{'policy':<10} {'capacity':>9} {'tier':<8} {'served':>9} {'written GiB':>10} "

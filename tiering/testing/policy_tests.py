@@ -25,7 +25,8 @@ What it checks (the contract in :mod:`tiering.policies.base`): container behavio
 (``insert_many``, ``set_evictable_many``) equal to their one-key calls and checking every key
 before changing anything, typed errors for bad keys and counts, ``touch`` and ``refresh``
 order (a refresh is not a use), pinned (non-evictable) and protected keys never evicted,
-all-or-nothing ``evict``, ``remove`` and ``clear``, and that evicting past thousands of pinned
+all-or-nothing ``evict``, ``remove`` and ``clear``, the rule followed (``rule``, one of ``rules``;
+``rule_switches`` only grows), and that evicting past thousands of pinned
 keys is not a scan. Requires pytest.
 """
 

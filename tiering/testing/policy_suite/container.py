@@ -1,5 +1,6 @@
 """``PolicyTests``, container behaviour: ``len``, ``in``, iteration, insert order, ``KeyError``
-on a duplicate insert with no state changed, typed errors for bad keys and counts.
+on a duplicate insert with no state changed, typed errors for bad keys and counts, the rule
+followed (``rule`` one of ``rules``, ``rule_switches`` a counter).
 """
 
 from __future__ import annotations
@@ -96,3 +97,26 @@ class PolicyContainerTests(PolicyTestsBase):
     def test_negative_capacity_rejected(self, policy_factory: PolicyFactory) -> None:
         with pytest.raises(ValueError, match="capacity"):
             policy_factory(-1)
+
+    # -- the rule followed (read by metrics) ----------------------------------------------------
+
+    def test_rule_is_one_of_rules_and_switches_only_grow(
+        self, policy_factory: PolicyFactory
+    ) -> None:
+        policy = policy_factory(4)
+        seen = [policy.rule_switches]
+        for round_ in range(40):  # a scan with keys used twice among it: adaptive rules move
+            key = policy_key(round_)
+            if len(policy) >= 4:
+                assert policy.evict(1) is not None
+            policy.insert(key)
+            policy.touch([key] if round_ % 3 else [])
+            rules = policy.rules
+            assert isinstance(rules, tuple) and rules and all(isinstance(r, str) for r in rules)
+            assert policy.rule in rules, (policy.rule, rules)
+            switches = policy.rule_switches
+            assert type(switches) is int and switches >= seen[-1]
+            seen.append(switches)
+        policy.clear()
+        assert policy.rule in policy.rules
+        assert policy.rule_switches == seen[-1]  # a counter: clear() keeps it
