@@ -10,7 +10,8 @@ Per trace and size: the prefix hit ratio of each policy (the share of prompt blo
 skips), and for each policy but LRU the share of the LRU -> Belady gap it closes
 (``(policy - LRU) / (Belady - LRU)``; Belady's *block* hits bound every policy's; its prefix
 hits are the reference). ``ok`` marks the hybrid policy's targets: at every size no more than
-0.2 points under max(LRU, ARC), and at the middle size 25 % of the gap closed.
+0.2 points under max(LRU, ARC), and at the middle size 25 % of the gap closed; ``NO:`` names
+the targets missed (``floor``, ``gap``).
 
 Usage: python benchmarks/bench_policies.py [--quick] [--seeds 0,1] [--traces a,b] [--jobs N]
 [--files a.jsonl,b.jsonl [--block-tokens N] [--study-block-tokens N]]
@@ -100,11 +101,12 @@ def print_table(rows: list[dict[str, object]]) -> None:
         verdict = ""
         if "hybrid" in row:
             floor = max(float(row["lru"]), float(row["arc"])) - TOLERANCE  # type: ignore[arg-type]
-            ok = float(row["hybrid"]) >= floor  # type: ignore[arg-type]
+            missed = [] if float(row["hybrid"]) >= floor else ["floor"]  # type: ignore[arg-type]
             if row["fraction"] == MIDDLE_FRACTION:
                 gap = _gap(row, "hybrid")
-                ok = ok and gap is not None and gap >= 0.25
-            verdict = "ok" if ok else "NO"
+                if gap is None or gap < 0.25:
+                    missed.append("gap")
+            verdict = f"NO: {', '.join(missed)}" if missed else "ok"
         print(
             f"| {row['trace']} | {row['seed']} | {row['capacity_blocks']:,} | "
             f"{float(row['fraction']):.0%} | "  # type: ignore[arg-type]

@@ -165,7 +165,7 @@ def test_bench_policies_judges_a_trace_file_as_the_generated_ones(
         }
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 2 + 5
-    assert table[4].startswith(f"| {SAMPLE} | - | 1 | 5% |") and table[4].endswith("| NO |")
+    assert table[4].startswith(f"| {SAMPLE} | - | 1 | 5% |") and table[4].endswith("| NO: gap |")
 
 
 def _relabelled(key_lists: list[list[bytes]]) -> list[list[int]]:
