@@ -10,7 +10,6 @@ rule and LRU lose them to the scan, so ARC's shadow leads and hybrid follows it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -94,14 +93,6 @@ CONFIG = {
 }
 
 
-@pytest.fixture
-def manager() -> Iterator[TieringOffloadingManager]:
-    manager = build_manager(parse_config(CONFIG, env={}))
-    manager.wait_ready()
-    yield manager
-    manager.shutdown()
-
-
 def _rule_samples(manager: TieringOffloadingManager) -> dict[tuple[str, str], float]:
     registry = CollectorRegistry()
     registry.register(TieringCollector(manager))
@@ -114,7 +105,16 @@ def _rule_samples(manager: TieringOffloadingManager) -> dict[tuple[str, str], fl
     return out
 
 
-def test_the_rule_each_tier_follows_is_scraped(manager: TieringOffloadingManager) -> None:
+def test_the_rule_each_tier_follows_is_scraped() -> None:
+    manager = build_manager(parse_config(CONFIG, env={}))
+    try:
+        manager.wait_ready()
+        _drive_and_scrape(manager)
+    finally:
+        manager.shutdown()
+
+
+def _drive_and_scrape(manager: TieringOffloadingManager) -> None:
     before = _rule_samples(manager)
     assert before == {
         ("tiering_eviction_rule", "primary:hybrid"): 1.0,
