@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from switching_policy import SwitchingPolicy
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_offload.base import LookupResult
@@ -55,6 +56,7 @@ HIT_PENDING = LookupResult.HIT_PENDING
 CPU_CHUNKS = 4
 SLOT_BYTES = 8192  # the file backend's slot for a 4 KiB chunk: 4 KiB header area + payload
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+SWITCHING = "switching_policy:SwitchingPolicy"  # a policy whose rule the test sets
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -554,6 +556,9 @@ def test_stats_and_config_info_are_vllm_s_and_declared(
     assert sample("tiering:tier_usage_bytes", {"engine": "0", "tier": "0:primary"}) == (
         held * row_bytes
     )
+    for tier in ("0:primary", "1:nvme", "2:lmdb"):  # every tier's policy is LRU here
+        labels = {"engine": "0", "tier": tier, "rule": "lru"}
+        assert sample("tiering:tier_eviction_rule", labels) == 1
     info = {"engine": "0", **{k: str(v) for k, v in infos[1].items()}}
     assert sample("vllm:kv_offload_config_info", {**dict.fromkeys(declared, ""), **info}) == 1
 
@@ -789,3 +794,41 @@ def test_the_same_engine_run_twice_gives_identical_traces(tmp_path: Path) -> Non
             engine.shutdown()
 
     assert run(tmp_path / "one") == run(tmp_path / "two")
+
+
+def _rule_values(driver: ManagerDriver) -> dict[str, dict[tuple[str, ...], float]]:
+    with driver.manager.lock:
+        stats = driver.manager.get_stats()
+    assert stats is not None
+    _, values = stats.metric_sections()
+    return {
+        name: values.get(name, {})
+        for name in (TieringTierMetrics.EVICTION_RULE, TieringTierMetrics.EVICTION_RULE_SWITCHES)
+    }
+
+
+def test_the_rule_each_tier_s_policy_follows_reaches_vllm_s_stats(
+    tmp_path: Path, drivers: list[ManagerDriver]
+) -> None:
+    """The CPU tier's policy (a test double whose rule the test sets) and the tiers' (LRU):
+    a gauge per rule it may follow, and the switches since the previous stats."""
+    config = write_yaml(tmp_path, primary={"capacity": "4KiB", "policy": SWITCHING})
+    driver = start(drivers, config)
+    policy = adapter(driver).manager.primary.policy
+    assert isinstance(policy, SwitchingPolicy)
+    rule, switches = TieringTierMetrics.EVICTION_RULE, TieringTierMetrics.EVICTION_RULE_SWITCHES
+    first = _rule_values(driver)
+    assert first[rule] == {
+        (PRIMARY_LABEL, "lru"): 1,
+        (PRIMARY_LABEL, "arc"): 0,
+        ("1:nvme", "lru"): 1,
+        ("2:lmdb", "lru"): 1,
+    }
+    assert first[switches] == {}  # none yet: no counter sample
+    policy.switch_to("arc")
+    policy.switch_to("lru")
+    policy.switch_to("arc")
+    second = _rule_values(driver)
+    assert second[rule][(PRIMARY_LABEL, "arc")] == 1 and second[rule][(PRIMARY_LABEL, "lru")] == 0
+    assert second[switches] == {(PRIMARY_LABEL,): 3}
+    assert _rule_values(driver)[switches] == {}  # a counter reports what is new only

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from switching_policy import SwitchingPolicy
 from vllm.v1.kv_offload.base import LookupResult, Medium
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -627,3 +628,31 @@ def test_a_tier_notes_its_misses_before_evicting_for_them(
     inserted = {k for kind, call_keys in RecordingLRU.calls if kind == "insert" for k in call_keys}
     assert inserted == {bytes(k) for k in a + b}
     assert any(kind == "evict" and call_keys for kind, call_keys in RecordingLRU.calls)
+
+
+def test_a_tier_reports_the_rule_its_policy_follows_and_its_switches(
+    drivers: list[ManagerDriver],
+) -> None:
+    tier = {
+        "type": "tiering",
+        "backend": "memory",
+        "name": "ram",
+        "capacity": "1MiB",
+        "policy": "switching_policy:SwitchingPolicy",  # a test double: the test sets its rule
+    }
+    driver = start(drivers, [tier])
+    policy = tier_named(driver, "ram").policy
+    assert isinstance(policy, SwitchingPolicy)
+    rule, switches = TieringTierMetrics.EVICTION_RULE, TieringTierMetrics.EVICTION_RULE_SWITCHES
+
+    def reported() -> dict[str, dict[tuple[str, ...], float]]:
+        with driver.manager.lock:
+            stats = driver.manager.get_stats()
+        assert stats is not None
+        _, values = stats.metric_sections()
+        return {name: values.get(name, {}) for name in (rule, switches)}
+
+    assert reported() == {rule: {("ram", "lru"): 1, ("ram", "arc"): 0}, switches: {}}
+    policy.switch_to("arc")
+    assert reported() == {rule: {("ram", "lru"): 0, ("ram", "arc"): 1}, switches: {("ram",): 1}}
+    assert reported()[switches] == {}

@@ -3,7 +3,9 @@
 Per tier, the CPU tier first (labelled :data:`PRIMARY_LABEL`, as vLLM's own manager labels it),
 every other tier ``"{i}:{name}"``: tiering's counters (deltas of
 :meth:`TieringOffloadingManager.get_stats`) under vLLM's metric names, usage and capacity
-gauges, and one ``vllm:kv_offload_config_info`` series with the labels :data:`INFO_KEYS`.
+gauges, the victim rule each tier's eviction policy follows and its switches
+(:class:`~tiering.integrations.vllm_metric_names.RuleReport`), and one
+``vllm:kv_offload_config_info`` series with the labels :data:`INFO_KEYS`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL, TieringOffloadingMetrics
 
 from tiering import CPUOffloadingManager, SecondaryTier, TieringOffloadingManager
 from tiering.config import TierConfig
-from tiering.integrations.vllm_tiers import TieringTierMetrics
+from tiering.integrations.vllm_metric_names import RuleReport, TieringTierMetrics
 
 __all__ = ["INFO_KEYS", "PRIMARY_LABEL", "DropInMetrics"]
 
@@ -83,6 +85,7 @@ class DropInMetrics:
         self.fingerprint = fingerprint
         self.policy = policy
         self.store_threshold = store_threshold
+        self._rules = RuleReport()
 
     def stats(self, queries: int, hits: int) -> OffloadingConnectorStats | None:
         """The stats since the last call, with the CPU tier's ``queries`` and ``hits`` (the
@@ -105,6 +108,7 @@ class DropInMetrics:
         cpu_tier = self.primary
         stats.set_gauge(TieringTierMetrics.USAGE_BYTES, len(cpu_tier) * row_bytes, primary)
         stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, cpu_tier.num_blocks * row_bytes, primary)
+        self._rules.report(stats, cpu_tier.policy, PRIMARY_LABEL)
         _count(stats, CPUOffloadingMetrics.STORES_SKIPPED, cpu.get("stores_skipped", 0), ())
         _count(
             stats,
@@ -119,6 +123,8 @@ class DropInMetrics:
                 _count(stats, metric, counters.get(name, 0), label)
             stats.set_gauge(TieringTierMetrics.USAGE_BYTES, tier.backend.usage_bytes, label)
             stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, tier.backend.capacity_bytes, label)
+            if tier.is_open and not tier.shared:  # a shared tier's store evicts, not a policy
+                self._rules.report(stats, tier.policy, label[0])
         return None if stats.is_empty() else stats
 
     def config_info(self) -> list[ConfigInfoMapping]:

@@ -62,16 +62,13 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import (
-    TIER_LABEL,
     JobResult,
     SecondaryTierManager,
     TransferJob,
@@ -82,6 +79,11 @@ from tiering.config import TierConfig, build_backend, load_config, parse_config
 from tiering.errors import BackendError, ConfigError, ProtocolError
 from tiering.integrations.vllm_extra import check_tier_entry
 from tiering.integrations.vllm_layout import chunk_data_bytes, layout_fingerprint
+from tiering.integrations.vllm_metric_names import (
+    RuleReport,
+    TieringTierMetrics,
+    tier_metric_definitions,
+)
 from tiering.managers.io_loop import IOLoop
 from tiering.policies import EvictionPolicy, make_policy
 
@@ -91,34 +93,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TieringSecondaryTier", "TieringTierMetrics"]
 
-
-class TieringTierMetrics:
-    """Names of the metrics a tier reports, each labelled with the tier's name."""
-
-    STORED_BLOCKS = "tiering:tier_stored_blocks"
-    STORE_FAILED_BLOCKS = "tiering:tier_store_failed_blocks"
-    SHED_BLOCKS = "tiering:tier_shed_blocks"
-    NOT_ADMITTED_BLOCKS = "tiering:tier_not_admitted_blocks"
-    READ_BLOCKS = "tiering:tier_read_blocks"
-    READ_FAILED_BLOCKS = "tiering:tier_read_failed_blocks"
-    CORRUPT_BLOCKS = "tiering:tier_corrupt_blocks"
-    EVICTED_BLOCKS = "tiering:tier_evicted_blocks"
-    USAGE_BYTES = "tiering:tier_usage_bytes"
-    CAPACITY_BYTES = "tiering:tier_capacity_bytes"
-
-
-_COUNTERS = {
-    TieringTierMetrics.STORED_BLOCKS: "Blocks written to a tiering tier.",
-    TieringTierMetrics.STORE_FAILED_BLOCKS: "Blocks a tiering tier failed to write.",
-    TieringTierMetrics.SHED_BLOCKS: "Blocks not written: the tier had max_inflight_jobs stores "
-    "in flight, or could not evict room.",
-    TieringTierMetrics.NOT_ADMITTED_BLOCKS: "Blocks not written: the tier's admission gate had "
-    "not seen them looked up admission_min_count times.",
-    TieringTierMetrics.READ_BLOCKS: "Blocks a tiering tier read back into the CPU tier (hits).",
-    TieringTierMetrics.READ_FAILED_BLOCKS: "Blocks a tiering tier failed to read back.",
-    TieringTierMetrics.CORRUPT_BLOCKS: "Blocks that failed verification on read (dropped).",
-    TieringTierMetrics.EVICTED_BLOCKS: "Blocks a tiering tier evicted to make room.",
-}
 
 _INFO_KEYS = (
     "tiering_name",
@@ -207,6 +181,7 @@ class TieringSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, _Job] = {}
         self._stats = OffloadingConnectorStats()
         self._label = (self.name,)
+        self._rule_report = RuleReport()
         self._closed = False
         self._io = IOLoop(name=f"tiering-tier-{self.name}")
         try:
@@ -314,25 +289,14 @@ class TieringSecondaryTier(SecondaryTierManager):
         stats, self._stats = self._stats, OffloadingConnectorStats()
         stats.set_gauge(TieringTierMetrics.USAGE_BYTES, self.backend.usage_bytes, self._label)
         stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, self.backend.capacity_bytes, self._label)
+        self._rule_report.report(stats, self._policy, self.name)
         return stats
 
     @classmethod
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        metrics: dict[str, OffloadingMetricMetadata] = {
-            name: OffloadingCounterMetadata(documentation=doc, labelnames=(TIER_LABEL,))
-            for name, doc in _COUNTERS.items()
-        }
-        metrics[TieringTierMetrics.USAGE_BYTES] = OffloadingGaugeMetadata(
-            documentation="Bytes of storage a tiering tier uses (block headers included).",
-            labelnames=(TIER_LABEL,),
-        )
-        metrics[TieringTierMetrics.CAPACITY_BYTES] = OffloadingGaugeMetadata(
-            documentation="Bytes of storage a tiering tier may use (its capacity).",
-            labelnames=(TIER_LABEL,),
-        )
-        return metrics
+        return tier_metric_definitions()
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
