@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiering.cli import main as cli_main
 from tiering.config import TieringConfig, parse_config
 from tiering.core.hashing import PrefixHasher
+from tiering.errors import ConfigError
 from tiering.observability.kv_events import END_SEQ, BlockStored, EventBatch, decode_batch
 from tiering.replay import ReplayOptions, policy_study, run_replay
 from tiering.replay.progress import ProgressBar
@@ -355,3 +356,24 @@ def test_progress_draws_on_a_terminal_only() -> None:
     with ProgressBar(3, "replay", stream=pipe) as bar:
         bar.update(3)
     assert pipe.getvalue() == ""
+
+
+def test_an_engine_too_small_for_the_longest_prompt_fails_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    trace = tmp_path / "long.jsonl"  # Mooncake's format: 512-token ids
+    rows = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [0, 1]},
+        {"timestamp": 5, "input_length": 40_000, "output_length": 4, "hash_ids": list(range(79))},
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tier = {"name": "nvme", "type": "file", "capacity": "1MiB", "path": str(tmp_path / "nvme")}
+    cfg = config(tmp_path, "tiny", "64KiB", [tier])
+    # 40,000 tokens in 16-token blocks: 2,500 engine blocks, and block 0 is the null block.
+    options = ReplayOptions(trace=str(trace), engine_blocks=2500, progress=False)
+    with pytest.raises(ConfigError, match=r"request 'line2' has 40,000 prompt tokens") as info:
+        run_replay(cfg, options)
+    assert "--engine-blocks 2501 or more" in str(info.value)
+    assert not (tmp_path / "nvme").exists()  # no manager was built, no tier opened
+    report = run_replay(cfg, ReplayOptions(trace=str(trace), engine_blocks=2501, progress=False))
+    assert report["requests"] == 2

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tiering.config import TieringConfig, build_manager, build_pool, layout_for_config
+from tiering.core.groups import KVCacheSpec
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError
 from tiering.model.kv_tensors import allocate_kv_caches
@@ -24,7 +25,7 @@ from tiering.observability.service import Observability
 from tiering.replay.block_trace import block_trace_format, read_block_trace, to_requests
 from tiering.replay.progress import ProgressBar
 from tiering.replay.replay_report import build_report
-from tiering.replay.sim_engine import RequestResult, SimulatedEngine
+from tiering.replay.sim_engine import RequestResult, SimulatedEngine, engine_blocks_needed
 from tiering.replay.traces import Request, builtin_trace, read_jsonl
 from tiering.replay.workloads import (
     WORKLOAD_TRACES,
@@ -136,6 +137,7 @@ def run_replay(
     )
     if options.max_requests is not None:
         requests = requests[: options.max_requests]
+    _check_engine_blocks(requests, spec, options.engine_blocks)
 
     device = _kv_device(options.device)
     kv_tensors, caches = allocate_kv_caches(shape, options.engine_blocks, spec, device)
@@ -215,6 +217,22 @@ def run_replay(
         manager.shutdown()
         pool.close()
         del kv_tensors
+
+
+def _check_engine_blocks(requests: list[Request], spec: KVCacheSpec, engine_blocks: int) -> None:
+    """Before anything is allocated or written: the engine must hold the longest prompt."""
+    if not requests:
+        return
+    longest = max(requests, key=lambda r: len(r.token_ids))
+    needed = engine_blocks_needed(spec, len(longest.token_ids)) + 1  # block 0 is the null block
+    if needed > engine_blocks:
+        raise ConfigError(
+            f"request {longest.request_id!r} has {len(longest.token_ids):,} prompt tokens: "
+            f"the simulated engine must hold {needed:,} blocks at once (the null block "
+            f"included) and engine_blocks is {engine_blocks:,}; rerun with --engine-blocks "
+            f"{needed} or more (or replay.engine_blocks in the config), or replay fewer "
+            "requests (--max-requests)"
+        )
 
 
 def _kv_device(name: str) -> torch.device:

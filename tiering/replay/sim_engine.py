@@ -26,7 +26,7 @@ from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.replay.traces import Request
 from tiering.transfer import PoolTransfer, TransferEngine, TransferHandle
 
-__all__ = ["RequestResult", "SimulatedEngine"]
+__all__ = ["RequestResult", "SimulatedEngine", "engine_blocks_needed"]
 
 _MIX = 0x9E3779B97F4A7C15  # spreads tensor indices over 64 bits
 _MASK63 = (1 << 63) - 1
@@ -60,6 +60,12 @@ def _window_engine_blocks(group: KVCacheGroup) -> int | None:
     if group.kind is GroupKind.MAMBA:
         return 1
     return math.ceil((group.sliding_window or 0) / group.block_size)
+
+
+def engine_blocks_needed(spec: KVCacheSpec, num_tokens: int) -> int:
+    """Engine blocks a request of ``num_tokens`` tokens holds at once, the null block excluded:
+    every group's, before a sliding window drops any (:meth:`SimulatedEngine._block_tables`)."""
+    return sum(math.ceil(num_tokens / group.block_size) for group in spec.groups)
 
 
 class SimulatedEngine:
@@ -118,7 +124,8 @@ class SimulatedEngine:
         if n > len(self._free_blocks):
             raise TieringError(
                 f"a request needs {n} engine blocks but only {len(self._free_blocks)} of "
-                f"{self.num_engine_blocks - 1} are free; give the replay more engine blocks"
+                f"{self.num_engine_blocks - 1} are free; give the replay more engine blocks "
+                "(--engine-blocks, replay.engine_blocks)"
             )
         return [self._free_blocks.pop() for _ in range(n)]
 
