@@ -23,6 +23,7 @@ from tiering.config import TieringConfig, parse_config
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError
 from tiering.observability.kv_events import END_SEQ, BlockStored, EventBatch, decode_batch
+from tiering.policies import available_policies
 from tiering.replay import ReplayOptions, policy_study, run_replay
 from tiering.replay.progress import ProgressBar
 from tiering.replay.runner import ReplayStep, format_report
@@ -151,7 +152,9 @@ def test_cli_replay_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 40
     assert set(report["tiers"]) == {"CPU", "FILE"}
-    assert {row["policy"] for row in report["policy_study"]} == {"lru", "arc", "belady"}
+    # By default every registered policy, as `tiering policy-study`.
+    studied = {row["policy"] for row in report["policy_study"]}
+    assert studied == {*available_policies(), "belady"}
 
 
 REPLAY_CONFIG = (
@@ -377,3 +380,6 @@ def test_an_engine_too_small_for_the_longest_prompt_fails_before_anything_is_wri
     assert not (tmp_path / "nvme").exists()  # no manager was built, no tier opened
     report = run_replay(cfg, ReplayOptions(trace=str(trace), engine_blocks=2501, progress=False))
     assert report["requests"] == 2
+    # A file is not made from a scale and a seed: the header does not name any.
+    header = format_report(report).splitlines()[0]
+    assert header.startswith(f"tiering replay: 2 requests of trace {str(trace)!r}, model tiny,")

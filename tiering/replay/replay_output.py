@@ -69,11 +69,18 @@ def _ms_pair(percentiles: dict[str, float]) -> str:
 
 def format_report(report: dict[str, Any], *, legend: bool = True) -> str:
     """The report as a table, with notes on what was not stored and on reproducibility."""
-    lines = [
-        f"tiering replay: {report['requests']} requests of trace {report['trace']!r} "
-        f"({report['scale']}, seed {report['seed']}"
+    trace = report["trace"]
+    # A built-in trace is made from a scale and a seed; a file is what it is.
+    made_from = (
+        ""
+        if trace.endswith(".jsonl") or "/" in trace
+        else f" ({report['scale']}, seed {report['seed']}"
         + (f", shape {report['shape']}" if report.get("shape") else "")
-        + f"), model {report['model']}, "
+        + ")"
+    )
+    lines = [
+        f"tiering replay: {report['requests']} requests of trace {trace!r}{made_from}, "
+        f"model {report['model']}, "
         f"blocks of {_human_bytes(report['block_bytes'])}, {report['wall_s']:.1f} s",
         f"prefill tokens saved: {report['prefill_tokens_saved']:,} of "
         f"{report['prompt_tokens']:,} ({report['prefill_saved_ratio']:.1%}); "

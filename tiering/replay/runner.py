@@ -27,7 +27,7 @@ from typing import Any
 from tiering.config import TieringConfig, load_config, wipe_tiers
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
-from tiering.policies import get_policy_class
+from tiering.policies import available_policies, get_policy_class
 from tiering.replay.replay_output import format_report, format_study, plot_study
 from tiering.replay.replay_run import ReplayOptions, ReplayStep, load_trace, run_replay
 from tiering.replay.study import policy_study
@@ -96,7 +96,8 @@ def configure_parser(subparsers: Any) -> None:
         help="also compare policies and the Belady bound on the trace (metadata only)",
     )
     parser.add_argument(
-        "--policies", default="lru,arc", help="policies for --policy-study (comma separated)"
+        "--policies",
+        help="policies for --policy-study (comma separated; default: every registered policy)",
     )
     parser.add_argument(
         "--sizes",
@@ -163,7 +164,10 @@ def _check_study_options(args: argparse.Namespace) -> _StudyOptions | None:
         if not 0 < fraction <= 1:
             raise TieringError(f"--sizes: {text.strip()!r} is not a fraction in (0, 1]")
         fractions.append(fraction)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.policies is None:
+        policies = list(available_policies())
+    else:
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise TieringError("--policies: give at least one policy name (e.g. lru,arc)")
     for name in policies:
