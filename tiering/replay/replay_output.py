@@ -167,7 +167,7 @@ def format_study(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         gap = r.get("lru_belady_gap_closed")
         lines.append(
-            f"{r['policy']:<10} {r['capacity_blocks']:>9} {r['block_hit_ratio']:>11.1%} "
+            f"{r['policy']:<10} {r['capacity_blocks']:>9,} {r['block_hit_ratio']:>11.1%} "
             f"{r['prefix_hit_ratio']:>12.1%} {'-' if gap is None else format(gap, '+.0%'):>11}"
         )
     return "\n".join(lines)
