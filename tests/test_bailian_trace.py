@@ -197,3 +197,24 @@ def test_a_bad_line_met_while_streaming_names_file_line_and_field(
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert f"{trace}:2" in err and "input_length" in err
+
+
+@pytest.mark.parametrize(
+    ("fraction", "hybrid", "verdict"),
+    [
+        (0.05, 0.51, "ok"),  # 29 % of the gap, over the floor
+        (0.05, 0.46, "NO: gap"),  # over the floor (ARC 0.45), 15 % of the gap
+        (0.05, 0.447, "NO: floor, gap"),  # 0.3 points under ARC
+        (0.2, 0.447, "NO: floor"),  # the gap is judged at the middle size only
+        (0.2, 0.449, "ok"),  # 0.1 points under ARC: within the floor
+    ],
+)
+def test_the_bench_verdict_names_each_target_missed(
+    fraction: float, hybrid: float, verdict: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_policies.py"))
+    row = {"trace": "t", "seed": 0, "capacity_blocks": 10, "fraction": fraction}
+    row |= {p: 0.44 for p in bench["available_policies"]()}
+    row |= {"lru": 0.44, "arc": 0.45, "hybrid": hybrid, "belady": 0.68}
+    bench["print_table"]([row])
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"| {verdict} |")
