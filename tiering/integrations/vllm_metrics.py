@@ -123,8 +123,9 @@ class DropInMetrics:
                 _count(stats, metric, counters.get(name, 0), label)
             stats.set_gauge(TieringTierMetrics.USAGE_BYTES, tier.backend.usage_bytes, label)
             stats.set_gauge(TieringTierMetrics.CAPACITY_BYTES, tier.backend.capacity_bytes, label)
-            if tier.is_open and not tier.shared:  # a shared tier's store evicts, not a policy
-                self._rules.report(stats, tier.policy, label[0])
+            policy = tier.eviction_policy
+            if policy is not None:
+                self._rules.report(stats, policy, label[0])
         return None if stats.is_empty() else stats
 
     def config_info(self) -> list[ConfigInfoMapping]:

@@ -216,6 +216,12 @@ class SecondaryTier:
         return self._policy
 
     @property
+    def eviction_policy(self) -> EvictionPolicy | None:
+        """The tier's policy, or None where it has none: not open, or a shared tier (its store
+        evicts). For readers (metrics); :attr:`policy` is for the tier's own use."""
+        return self._policy
+
+    @property
     def capacity_blocks(self) -> int:
         return self.backend.capacity_blocks
 

@@ -22,7 +22,7 @@ from tiering.managers.secondary_tier import SecondaryTier
 from tiering.managers.tier_lookups import LookupCounts
 from tiering.policies import EvictionPolicy
 
-__all__ = ["TieringStats", "eviction_rule_fields"]
+__all__ = ["TieringStats"]
 
 
 class TieringStats:
@@ -75,7 +75,7 @@ class TieringStats:
                 "lookup_pending": pending,
                 "lookup_misses": misses,
                 **self.primary.counters(),
-                **eviction_rule_fields(self.primary.policy),
+                **_eviction_rule_fields(self.primary.policy),
             }
         }
         for tier in self.tiers:
@@ -92,12 +92,13 @@ class TieringStats:
                 **tier.metrics.counters(),
                 "backend": vars(tier.backend.stats),
             }
-            if tier.is_open and not tier.shared:  # a shared tier's store evicts, not a policy
-                out[tier.name].update(eviction_rule_fields(tier.policy))
+            policy = tier.eviction_policy
+            if policy is not None:
+                out[tier.name].update(_eviction_rule_fields(policy))
         return out
 
 
-def eviction_rule_fields(policy: EvictionPolicy) -> dict[str, Any]:
+def _eviction_rule_fields(policy: EvictionPolicy) -> dict[str, Any]:
     """The rule ``policy`` follows now, the rules it may follow and its switches (for
     ``tiering_eviction_rule`` and ``tiering_eviction_rule_switches``)."""
     return {

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.errors import TieringError
+from tiering.replay.traces import is_trace_file
 
 __all__ = ["LEGEND", "format_report", "format_study", "plot_study"]
 
@@ -73,7 +74,7 @@ def format_report(report: dict[str, Any], *, legend: bool = True) -> str:
     # A built-in trace is made from a scale and a seed; a file is what it is.
     made_from = (
         ""
-        if trace.endswith(".jsonl") or "/" in trace
+        if is_trace_file(trace)
         else f" ({report['scale']}, seed {report['seed']}"
         + (f", shape {report['shape']}" if report.get("shape") else "")
         + ")"

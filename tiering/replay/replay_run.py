@@ -26,7 +26,7 @@ from tiering.replay.block_trace import block_trace_format, read_block_trace, to_
 from tiering.replay.progress import ProgressBar
 from tiering.replay.replay_report import build_report
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine, engine_blocks_needed
-from tiering.replay.traces import Request, builtin_trace, read_jsonl
+from tiering.replay.traces import Request, builtin_trace, is_trace_file, read_jsonl
 from tiering.replay.workloads import (
     WORKLOAD_TRACES,
     WorkloadShape,
@@ -81,7 +81,7 @@ def load_trace(
         check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
         return list(to_requests(workload_trace(trace, scale, seed, shape)))
-    if trace.endswith(".jsonl") or "/" in trace:
+    if is_trace_file(trace):
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path

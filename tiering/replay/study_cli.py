@@ -38,7 +38,7 @@ from tiering.replay.study import (
     run_study,
     study_trace_from_blocks,
 )
-from tiering.replay.traces import builtin_trace, read_jsonl
+from tiering.replay.traces import builtin_trace, is_trace_file, read_jsonl
 from tiering.replay.workloads import (
     SHAPE_HELP,
     WorkloadShape,
@@ -72,7 +72,7 @@ def load_study_trace(
         group = ids_per_block(study_block_tokens, 512)
         generated = workload_trace(trace, scale, seed, shape)[:max_requests]
         return study_trace_from_blocks(generated, 512, group)
-    if trace.endswith(".jsonl") or "/" in trace:
+    if is_trace_file(trace):
         path = Path(trace)
         if not path.is_file():
             raise TieringError(f"--trace: no such file {trace!r}")

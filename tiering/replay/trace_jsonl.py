@@ -45,7 +45,14 @@ from tiering.replay.trace_segments import (
     segment_tokens,
 )
 
-__all__ = ["read_jsonl", "write_jsonl"]
+__all__ = ["is_trace_file", "read_jsonl", "write_jsonl"]
+
+
+def is_trace_file(trace: str) -> bool:
+    """Whether a ``--trace`` value names a file (a ``.jsonl`` name or a path), not a built-in
+    trace made from a scale and a seed."""
+    return trace.endswith(".jsonl") or "/" in trace
+
 
 _JSON_FIELDS = ("id", "tokens", "segments", "salt", "lora", "output_tokens", "arrival_s")
 # Request field -> JSON field, to name the file's field when Request rejects a value.

@@ -32,7 +32,7 @@ from tiering.replay.trace_generators import (
     multi_turn_chat,
     rag,
 )
-from tiering.replay.trace_jsonl import read_jsonl, write_jsonl
+from tiering.replay.trace_jsonl import is_trace_file, read_jsonl, write_jsonl
 from tiering.replay.trace_requests import Request, TraceError
 from tiering.replay.trace_segments import DEFAULT_VOCAB_SIZE, random_segment_tokens, segment_tokens
 
@@ -46,6 +46,7 @@ __all__ = [
     "agent_loops",
     "builtin_trace",
     "hash_requests",
+    "is_trace_file",
     "multi_turn_chat",
     "rag",
     "random_segment_tokens",
