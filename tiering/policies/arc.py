@@ -32,13 +32,12 @@ from tiering.policies._checks import (
     check_touch_keys,
     protected_set,
 )
-from tiering.policies._order import RecencyOrder
-from tiering.policies.base import EvictionPolicy
+from tiering.policies._two_lists import TwoListPolicy
 
 __all__ = ["ARCPolicy"]
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(TwoListPolicy):
     """Adaptive Replacement Cache over T1/T2 with ghost lists B1/B2 and adaptive target ``p``.
 
     A victim search never meets a pinned key: O(log n) per victim at most (see
@@ -54,9 +53,6 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._t1 = RecencyOrder()
-        self._t2 = RecencyOrder()
-        self._t1.share_pins_with(self._t2)  # a pin marks a key of either list, unlooked-for
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._target_floor = self._FLOOR_SHARE * capacity
@@ -70,16 +66,6 @@ class ARCPolicy(EvictionPolicy):
         return self._target_t1_size
 
     @property
-    def t1_keys(self) -> tuple[bytes, ...]:
-        """Keys used once, oldest first."""
-        return tuple(self._t1)
-
-    @property
-    def t2_keys(self) -> tuple[bytes, ...]:
-        """Keys used at least twice, oldest first."""
-        return tuple(self._t2)
-
-    @property
     def b1_keys(self) -> tuple[bytes, ...]:
         """Ghosts of keys evicted from T1, oldest first."""
         return tuple(self._b1)
@@ -90,12 +76,6 @@ class ARCPolicy(EvictionPolicy):
         return tuple(self._b2)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._t2 or key in self._t1
 
     def __iter__(self) -> Iterator[bytes]:
         # ``p`` does not change during eviction, so successive ``evict(1)`` calls (with every
@@ -129,16 +109,6 @@ class ARCPolicy(EvictionPolicy):
             if key in self._t2 or not self._t1.add_new(key, evictable):
                 raise KeyError(key)
             self._trim_ghosts()
-
-    def insert_many(self, keys: Sequence[bytes], evictable: bool = True) -> None:
-        if set(map(type, keys)) - {bytes}:
-            for key in keys:
-                check_insert_key(key)
-        t1, t2 = self._t1, self._t2
-        held = set(t1.held_of(keys)) | set(t2.held_of(keys))
-        if held or len(set(keys)) != len(keys):
-            raise KeyError(_first_held_or_repeated(keys, held))
-        self.insert_new(keys, evictable)
 
     def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
         t1, t2 = self._t1, self._t2
@@ -188,48 +158,6 @@ class ARCPolicy(EvictionPolicy):
         # Absent and ghost keys are ignored: adaptation is at insert.
         self._t1.touch_all_promoting(keys, self._t2)
 
-    def refresh(self, keys: Sequence[bytes]) -> None:
-        if isinstance(keys, (bytes, bytearray, str)):
-            check_touch_keys(keys)
-        # Each key stays in its list (a refresh is not a use), as that list's most recent.
-        self._t1.touch_all(keys)
-        self._t2.touch_all(keys)
-
-    def set_evictable(self, key: bytes, evictable: bool) -> None:
-        if not (self._t1.set_evictable(key, evictable) or self._t2.set_evictable(key, evictable)):
-            raise KeyError(key)
-
-    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
-        # The list of the first key first: a call's keys are usually all new (T1: a store made
-        # ready) or all reused (mostly T2: a load pinned and let go), so the other list's pass
-        # is short. The lists share their pins in place: either one pins a key of both, and
-        # lets go any key pinned in place; the second pass meets the other list's parked keys.
-        t1, t2 = self._t1, self._t2
-        if not keys:
-            return
-        # Keys let go are pinned in place (either list will do) or parked in their own list;
-        # keys pinned are in their list's _main. One probe either way, no call.
-        in_t2 = keys[0] in (t2._parked if evictable else t2._main)
-        first, second = (t2, t1) if in_t2 else (t1, t2)
-        changed, rest = first.set_evictable_each(keys, evictable)
-        if not rest:
-            return
-        changed_second, absent = second.set_evictable_each(rest, evictable)
-        if absent:
-            # Undo: each changed key is held (in place, parked, or back in its list's _main).
-            changed += changed_second
-            _, elsewhere = t1.set_evictable_each(changed, not evictable)
-            if elsewhere:
-                t2.set_evictable_each(elsewhere, not evictable)
-            raise KeyError(absent[0])
-
-    def pin_evictable(self, keys: Sequence[bytes]) -> None:
-        self._t1.pin_all_in_place(keys)  # shared with T2: no lookup of the key's list
-
-    def remove(self, key: bytes) -> None:
-        if not self._t1.discard(key):
-            self._t2.discard(key)
-
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
             check_evict_count(n)
@@ -271,8 +199,7 @@ class ARCPolicy(EvictionPolicy):
         return to_b1 + to_b2 + more_b1
 
     def clear(self) -> None:
-        self._t1.clear()
-        self._t2.clear()
+        super().clear()
         self._b1.clear()
         self._b2.clear()
         self._target_t1_size = self._INITIAL_SHARE * self.capacity
@@ -316,12 +243,3 @@ def trim_ghosts(
         b2.popitem(last=False)
     while b1 and held_size + len(b1) > 2 * capacity:
         b1.popitem(last=False)
-
-
-def _first_held_or_repeated(keys: Sequence[bytes], held: set[bytes]) -> bytes:
-    listed: set[bytes] = set()
-    for key in keys:
-        if key in held or key in listed:
-            return key
-        listed.add(key)
-    raise AssertionError("no key is held or listed twice")
