@@ -335,7 +335,7 @@ def test_builtin_policies_are_registered() -> None:
 
 def test_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(
-        ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, arc_vllm, hybrid, lru"
+        ConfigurationError, match=r"unknown eviction policy 'lfu'.*arc, arc_vllm, chain, hybrid, lru"
     ):
         get_policy_class("lfu")
     with pytest.raises(ConfigurationError, match="must be a string"):
@@ -377,7 +377,7 @@ def test_register_policy() -> None:
 def test_register_policy_rejects_bad_names(bad_name: object) -> None:
     with pytest.raises(ConfigurationError, match="policy name must be"):
         register_policy(bad_name, _FifoPolicy)  # type: ignore[arg-type]
-    assert set(available_policies()) == {"arc", "arc_vllm", "hybrid", "lru"}
+    assert set(available_policies()) == {"arc", "arc_vllm", "chain", "hybrid", "lru"}
 
 
 @pytest.mark.usefixtures("isolated_registry")
@@ -386,7 +386,7 @@ def test_register_policy_rejects_non_policies() -> None:
         register_policy("dict", dict)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="must be an EvictionPolicy subclass"):
         register_policy("lru2", LRUPolicy(2))  # type: ignore[arg-type]
-    assert set(available_policies()) == {"arc", "arc_vllm", "hybrid", "lru"}
+    assert set(available_policies()) == {"arc", "arc_vllm", "chain", "hybrid", "lru"}
 
 
 # -- state machines against reference models ----------------------------------------------

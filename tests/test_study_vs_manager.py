@@ -40,6 +40,7 @@ def test_the_study_hits_what_the_cpu_manager_hits(requests: list[list[int]], cap
         manager = CPUOffloadingManager(capacity, name)
         flags = bytearray()
         for keys in key_lists:
+            manager.note_request(keys)
             hits = [manager.lookup(key) is True for key in keys]
             flags += bytes(hits)
             if any(hits):

@@ -264,6 +264,13 @@ class CPUOffloadingManager(OffloadingManager):
             reject_positional("refresh", misplaced, "req_context")
         self._policy.refresh(check_keys(keys))
 
+    def note_request(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        if misplaced:
+            reject_positional("note_request", misplaced, "req_context")
+        self._policy.note_request(check_keys(keys))
+
     # -- stores -------------------------------------------------------------------------------
 
     def prepare_store(

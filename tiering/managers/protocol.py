@@ -340,6 +340,14 @@ class OffloadingManager(ABC):
         """Mark keys as most recently used in every tier; the first key ends most recent.
         Absent keys are ignored."""
 
+    def note_request(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        """A request's keys, in prefix order, once, before its touches and stores: for a primary
+        policy that learns from requests (:meth:`EvictionPolicy.note_request`). Optional: a
+        manager that is never told works as before. The default does nothing."""
+        return
+
     # -- stores -----------------------------------------------------------------------------------
 
     @abstractmethod

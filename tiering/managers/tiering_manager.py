@@ -389,6 +389,17 @@ class TieringOffloadingManager(TieringLifecycle):
         for tier in self.tiers:
             tier.refresh(key_list, req_context=req_context)
 
+    def note_request(
+        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+    ) -> None:
+        """Tell the primary tier's policy a request's keys (a secondary tier sees only the
+        primary's misses, not requests)."""
+        if misplaced:
+            reject_positional("note_request", misplaced, "req_context")
+        key_list = check_keys(keys)
+        self._check_open()
+        self.primary.policy.note_request(key_list)
+
     # -- stores ----------------------------------------------------------------------------------
 
     def prepare_store(

@@ -15,7 +15,7 @@ from tiering.policies._checks import check_insert_key, check_touch_keys
 from tiering.policies._order import RecencyOrder
 from tiering.policies.base import EvictionPolicy
 
-__all__ = ["TwoListPolicy"]
+__all__ = ["TwoListPolicy", "next_victim_bound", "stamped_keys"]
 
 
 class TwoListPolicy(EvictionPolicy):
@@ -111,3 +111,18 @@ def _first_held_or_repeated(keys: Sequence[bytes], held: set[bytes]) -> bytes:
             return key
         listed.add(key)
     raise AssertionError("no key is held or listed twice")
+
+
+def next_victim_bound(order: RecencyOrder, pending: tuple[bytes, int] | None, done: bool) -> int:
+    """The stamp of ``order``'s next victim if already taken (``pending``), else a lower bound
+    of it (its oldest key's stamp); -1 if it has none. For a search that compares two lists'
+    next victims and takes a key (making its stamp exact) only from the list that may win."""
+    if pending is not None:
+        return pending[1]
+    return -1 if done else order.oldest_stamp()
+
+
+def stamped_keys(order: RecencyOrder) -> list[tuple[bytes, int]]:
+    """``order``'s keys with their stamps, pinned ones included, in no particular order."""
+    entries = [(k, s if s >= 0 else ~s) for k, s in order._main.items()]
+    return entries + list(order._parked.items())

@@ -47,6 +47,10 @@ class EvictionPolicy(ABC):
     - :meth:`note_misses` tells the policy which absent keys are about to be inserted, before
       the eviction that makes room for them (a policy that learns from misses, as vLLM's ARC
       from a ghost hit, adapts there); the default does nothing.
+    - :meth:`note_request` gives the policy a request's keys, in prefix order, before the
+      request's touches and stores (a policy that learns from requests, such as ``chain``,
+      classes the request there); the default does nothing. A caller that does not know
+      requests never calls it, and every policy must work without it.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
@@ -132,6 +136,12 @@ class EvictionPolicy(ABC):
         """``keys``, absent, are about to be inserted once room is made for them: the managers
         call this before :meth:`evict` (and may then fail to make room, so an insert need not
         follow). Changes no held key and evicts nothing. The default does nothing."""
+        return
+
+    def note_request(self, keys: Sequence[bytes]) -> None:
+        """The keys of one request, in prefix order (held, absent or ghosts alike), before its
+        :meth:`touch` and :meth:`insert_new` calls; at most once per request. Changes no held
+        key's order or evictability and evicts nothing. The default does nothing."""
         return
 
     @abstractmethod

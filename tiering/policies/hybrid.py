@@ -66,8 +66,9 @@ from tiering.policies._checks import (
     check_touch_keys,
     protected_set,
 )
-from tiering.policies._order import RecencyOrder
 from tiering.policies._shadows import RULES, ShadowDuel
+from tiering.policies._two_lists import next_victim_bound as _bound
+from tiering.policies._two_lists import stamped_keys as _stamped
 from tiering.policies.arc import ARCPolicy, ghost_hit_target
 
 __all__ = ["HybridPolicy"]
@@ -252,16 +253,3 @@ class HybridPolicy(ARCPolicy):
 
     def _arc_target(self) -> float:
         return self._arc_only_target
-
-
-def _bound(order: RecencyOrder, pending: tuple[bytes, int] | None, done: bool) -> int:
-    """The stamp of ``order``'s next victim if taken (``pending``), else a lower bound of it
-    (its oldest key's stamp); -1 if it has none."""
-    if pending is not None:
-        return pending[1]
-    return -1 if done else order.oldest_stamp()
-
-
-def _stamped(order: RecencyOrder) -> list[tuple[bytes, int]]:
-    entries = [(k, s if s >= 0 else ~s) for k, s in order._main.items()]
-    return entries + list(order._parked.items())

@@ -1,11 +1,10 @@
 """Policy lookup by name: built-ins, registered classes, entry-point plugins and import paths.
 
 A policy name resolves in this order: names given to :func:`register_policy` (the built-ins
-``lru``, ``arc`` and ``hybrid`` among them); entry points of group ``tiering.policies`` of installed
-distributions (value ``"module:Class"``), each imported only when its name is first used; a
-``"module:Class"`` import path. :func:`check_policy_name` checks a name the same way without
-importing anything (the config layer checks a file with it).
-register_policy(VLLMARCPolicy.name, VLLMARCPolicy)
+``lru``, ``arc``, ``arc_vllm``, ``hybrid`` and ``chain`` among them); entry points of group
+``tiering.policies`` of installed distributions (value ``"module:Class"``), each imported only
+when its name is first used; a ``"module:Class"`` import path. :func:`check_policy_name` checks a
+name the same way without importing anything (the config layer checks a file with it).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from tiering.errors import ConfigurationError
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.arc_vllm import VLLMARCPolicy
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.chain import ChainPolicy
 from tiering.policies.hybrid import HybridPolicy
 from tiering.policies.lru import LRUPolicy
 
@@ -130,3 +130,4 @@ register_policy(LRUPolicy.name, LRUPolicy)
 register_policy(ARCPolicy.name, ARCPolicy)
 register_policy(HybridPolicy.name, HybridPolicy)
 register_policy(VLLMARCPolicy.name, VLLMARCPolicy)
+register_policy(ChainPolicy.name, ChainPolicy)

@@ -174,6 +174,10 @@ class SimulatedEngine:
                     located[key] = medium
                     found[medium] = found.get(medium, 0) + 1
         loaded_from: dict[str, int] = {}
+        # Every group's keys, prefix order within each: the request as a policy learns it.
+        self.manager.note_request(
+            [key for group_keys in keys for key in group_keys], req_context=request.request_id
+        )
 
         start = time.perf_counter()
         retries = 0

@@ -182,9 +182,11 @@ def simulate_cpu(
         return run
     contains, touch = policy.__contains__, policy.touch
     evict, insert_new, note_misses = policy.evict, policy.insert_new, policy.note_misses
+    note_request = policy.note_request
     by_rule = run.requests_by_rule
     position = 0
     for keys in key_lists:
+        note_request(keys)  # as the managers do at a request's start
         missing: list[bytes] = []
         for i, key in enumerate(keys):
             if contains(key):
