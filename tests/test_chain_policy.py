@@ -24,6 +24,7 @@ from tiering.errors import InvalidArgumentError, InvalidKeyError
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import ChainPolicy, LRUPolicy, register_policy
+from tiering.policies import registry as policy_registry
 from tiering.policies.chain import ChainClassStats
 from tiering.replay import ReplayOptions, run_replay
 from tiering.replay.study import simulate_cpu
@@ -86,7 +87,7 @@ class Reference:
         request = self.request
         in_request = request is not None and keys[0] in request[1]
         cls = request[0] if request is not None and in_request else 0
-        for key in keys:
+        for key in keys:  # insert_many's order: the last most recent
             self.clock += 1
             self.lists[cls][key] = self.clock
         if request is not None and in_request and request[2] in keys:
@@ -337,8 +338,11 @@ def test_the_managers_pass_a_request_on_to_the_primary_policy(tmp_path: Path) ->
         manager.note_request(["not a key"])  # type: ignore[list-item]
 
 
-def test_the_replay_notes_each_request_once_before_its_stores(tmp_path: Path) -> None:
-    register_policy(_Recording.name, _Recording, replace=True)
+def test_the_replay_notes_each_request_once_before_its_stores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(policy_registry, "_registry", dict(policy_registry._registry))
+    register_policy(_Recording.name, _Recording)
     _Recording.noted = []
     cfg = parse_config(
         {
