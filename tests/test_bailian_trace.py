@@ -215,6 +215,9 @@ def test_the_bench_verdict_names_each_target_missed(
     bench = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_policies.py"))
     row = {"trace": "t", "seed": 0, "capacity_blocks": 10, "fraction": fraction}
     row |= {p: 0.44 for p in bench["available_policies"]()}
-    row |= {"lru": 0.44, "arc": 0.45, "hybrid": hybrid, "belady": 0.68}
+    row |= {"lru": 0.44, "arc": 0.45, "hybrid": hybrid, "chain": hybrid, "belady": 0.68}
+    assert bench["verdict"](row, "hybrid") == verdict
     bench["print_table"]([row])
-    assert capsys.readouterr().out.splitlines()[-1].endswith(f"| {verdict} |")
+    header, *_, line = capsys.readouterr().out.splitlines()
+    assert header.endswith("| hybrid ok | chain ok |")
+    assert line.endswith(f"| {verdict} | {verdict} |")  # each adaptive built-in judged
