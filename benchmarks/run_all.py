@@ -82,8 +82,8 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Eviction policies against Belady on realistic traces",
         "Prefix hit ratio of every registered policy and Belady's bound on the generated "
         "conversation, tool-agent, document and production traces at 1-20 % of their unique "
-        "blocks, and the share of the LRU -> Belady gap each closes (hybrid's targets: never "
-        "0.2 points under max(LRU, ARC); 25 % of the gap at 5 %).",
+        "blocks, and the share of the LRU -> Belady gap each closes (the targets of hybrid and "
+        "chain: never 0.2 points under max(LRU, ARC); 25 % of the gap at 5 %).",
         (),
     ),
     (
