@@ -89,7 +89,13 @@ def _reference(num_blocks: int, n: int) -> tuple[float, float]:
 def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
     rows = []
     ref_store, ref_lookup = zip(*(_reference(num_blocks, ops) for _ in range(reps)), strict=True)
-    for kind, policy in (("cpu", "lru"), ("cpu", "arc"), ("cpu", "hybrid"), ("tiering", "lru")):
+    for kind, policy in (
+        ("cpu", "lru"),
+        ("cpu", "arc"),
+        ("cpu", "hybrid"),
+        ("cpu", "chain"),
+        ("tiering", "lru"),
+    ):
         primary = CPUOffloadingManager(num_blocks, policy)
         manager: CPUOffloadingManager | TieringOffloadingManager = primary
         if kind == "tiering":

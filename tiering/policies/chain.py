@@ -62,7 +62,6 @@ from tiering.policies._checks import (
     protected_set,
 )
 from tiering.policies._two_lists import TwoListPolicy
-from tiering.policies._two_lists import next_victim_bound as _bound
 from tiering.policies._two_lists import stamped_keys as _stamped
 
 __all__ = ["ChainPolicy", "ChainClassStats"]
@@ -203,29 +202,35 @@ class ChainPolicy(TwoListPolicy):
             return None
         rank0, rank1 = self._rankers()
         taken: list[bytes] = []
-        # The lower-ranked of the two lists' first evictable, unprotected keys, one at a time.
-        # A list's oldest stamp bounds its first such key's from below, and a rank grows with
-        # the stamp: a key is taken (its stamp then exact) only from the list that may hold
-        # the lower rank, and a key taken but not chosen is put back in its place.
+        # The lower-ranked of the two lists' next victims (first evictable, unprotected keys),
+        # one at a time: each list's is taken ahead (its stamp, hence its rank, exact), and the
+        # one not chosen at the end is put back in its place. Once a list has nothing left,
+        # the rest come from the other, oldest first, in one take.
         orders = (t1, t2)
+        ranks = (rank0, rank1)
         pending: list[tuple[bytes, int] | None] = [None, None]
-        done = [False, False]
+        ranked = [0.0, 0.0]
         try:
+            for side in (0, 1):
+                ahead = pending[side] = orders[side].take_one(guard)
+                if ahead is not None:
+                    ranked[side] = ranks[side](ahead[1])
             while len(taken) < n:
-                s1 = _bound(t1, pending[0], done[0])
-                s2 = _bound(t2, pending[1], done[1])
-                if s1 < 0 and s2 < 0:
+                first, second = pending
+                if first is None or second is None:
+                    side = 1 if first is None else 0
+                    ahead = pending[side]
+                    if ahead is None:
+                        break
+                    taken.append(ahead[0])
+                    pending[side] = None
+                    taken += orders[side].take(n - len(taken), guard)
                     break
-                side = 0 if s2 < 0 or (s1 >= 0 and rank0(s1) <= rank1(s2)) else 1
-                candidate = pending[side]
-                if candidate is None:
-                    candidate = orders[side].take_one(guard)
-                    if candidate is None:
-                        done[side] = True
-                    pending[side] = candidate
-                    continue  # its stamp is exact now: compare again
-                taken.append(candidate[0])
-                pending[side] = None
+                side = 0 if ranked[0] <= ranked[1] else 1
+                taken.append((first if side == 0 else second)[0])
+                ahead = pending[side] = orders[side].take_one(guard)
+                if ahead is not None:
+                    ranked[side] = ranks[side](ahead[1])
             for order, held_back in zip(orders, pending, strict=True):
                 if held_back is not None:
                     order.put_back_last()
