@@ -6,6 +6,10 @@ then, in steady state:
 
 - store: ``prepare_store`` of a batch of new keys (each evicting one block) + ``complete_store``,
   in microseconds per stored block, eviction included;
+- store with reuse: requests that each continue the one before (the previous request's 16
+  blocks noted with the request's 16 new ones and touched, the new ones stored), in
+  microseconds per stored block: both of an ARC-like policy's lists in play, as on traffic
+  with hits;
 - lookup: ``lookup`` of a present key, in microseconds per lookup (random keys);
 - the reference, measured in the same run: the same operations on a bare ``OrderedDict``
   (``popitem`` + insert for a store, ``in`` + ``move_to_end`` skipped for a lookup: a dict probe),
@@ -58,6 +62,23 @@ def _store_us(
     return (time.perf_counter() - t0) / (len(batches) * BATCH) * 1e6
 
 
+def _reuse_store_us(
+    manager: CPUOffloadingManager | TieringOffloadingManager, start: int, n: int
+) -> float:
+    """Requests that each continue the one before: the previous request's 16 blocks reused
+    (noted with the request, touched), 16 new ones stored; microseconds per stored block."""
+    batches = [_keys(start + i, BATCH) for i in range(0, n + BATCH, BATCH)]
+    note, touch = manager.note_request, manager.touch
+    prepare, complete = manager.prepare_store, manager.complete_store
+    t0 = time.perf_counter()
+    for reused, new in zip(batches, batches[1:], strict=False):
+        note(reused + new)
+        touch(reused)
+        prepare(new)
+        complete(new)
+    return (time.perf_counter() - t0) / ((len(batches) - 1) * BATCH) * 1e6
+
+
 def _lookup_us(
     manager: CPUOffloadingManager | TieringOffloadingManager, present: list[OffloadKey], n: int
 ) -> float:
@@ -107,11 +128,13 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
         gc.collect()
         gc.disable()
         try:
-            stores, lookups = [], []
+            stores, reuse_stores, lookups = [], [], []
             next_key = num_blocks
             for _ in range(reps):
                 stores.append(_store_us(manager, next_key, ops))
                 next_key += ops
+                reuse_stores.append(_reuse_store_us(manager, next_key, ops))
+                next_key += ops + BATCH
                 present = _keys(next_key - num_blocks, num_blocks)
                 lookups.append(_lookup_us(manager, present, ops))
         finally:
@@ -122,6 +145,7 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
                 "policy": policy,
                 "blocks": num_blocks,
                 "store_us_per_block": round(statistics.median(stores), 3),
+                "reuse_store_us_per_block": round(statistics.median(reuse_stores), 3),
                 "lookup_us": round(statistics.median(lookups), 3),
                 "ordereddict_store_us": round(statistics.median(ref_store), 3),
                 "dict_lookup_us": round(statistics.median(ref_lookup), 3),
@@ -136,14 +160,15 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
 
 def _print_table(rows: list[dict[str, object]]) -> None:
     print(
-        "| manager | policy | blocks | store us/block | lookup us | "
+        "| manager | policy | blocks | store us/block | store with reuse us/block | lookup us | "
         "OrderedDict store us | dict lookup us |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['manager']} | {r['policy']} | {r['blocks']:,} | {r['store_us_per_block']} | "
-            f"{r['lookup_us']} | {r['ordereddict_store_us']} | {r['dict_lookup_us']} |"
+            f"{r['reuse_store_us_per_block']} | {r['lookup_us']} | {r['ordereddict_store_us']} | "
+            f"{r['dict_lookup_us']} |"
         )
     print()
     print("| manager | policy | store growth 1e3 -> max | lookup growth 1e3 -> max |")

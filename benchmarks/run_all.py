@@ -98,8 +98,9 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "bench_metadata",
         "Manager metadata per operation, 1e3 to 1e6 blocks",
-        "Microseconds per stored block (eviction included) and per lookup, and their growth "
-        "(targets: 2 us per stored block, 0.5 us per lookup, growth 2x or less).",
+        "Microseconds per stored block (eviction included; alone, and in requests that reuse "
+        "the previous request's blocks) and per lookup, and their growth (targets: 2 us per "
+        "stored block, 0.5 us per lookup, growth 2x or less).",
         (),
     ),
     (

@@ -30,22 +30,25 @@ T2: class 1, blocks reused since stored and blocks of requests that continued an
   the head least likely to be continued within the next ``capacity`` ticks given its age ``a``
   (exponential delays: ``q s (1 - e^(-capacity / tau)) / (1 - q + q s)`` with
   ``s = e^(-a / tau)``, compared as logarithms); a tie goes to T1. Within a class that
-  probability falls with age, so comparing the two heads is exact.
+  probability falls with age, so comparing the two heads is exact. Pinned and protected
+  blocks are passed over, as in every built-in.
 - **Prefix order.** New blocks are inserted deepest most recent (``insert_many``'s contract);
   an engine's adapter ranks a request's blocks again at its end (:meth:`refresh`, each block
   staying in its list).
 
 Where it comes from and what it gives: the chain-class rule of the project's third session,
-with two classes. In the study (``tiering policy-study``), held within 0.2 points of the
-better of LRU and ARC at all ten points of the public Mooncake traces, where ``hybrid``
-misses two; under ARC by up to 2.4 points at 1 % of the generated document trace, under LRU
-by up to 0.5 at 10-20 % of the generated production trace. Without :meth:`note_request` (a
-manager that does not know requests) it is ARC's lists with this victim rule and no
-continuations: every new block goes to T1.
+with two classes. In the study (``tiering policy-study``) on the public Mooncake traces,
+within 0.2 points of the better of LRU and ARC at 9 of 10 points (``hybrid``: 8), with 40-60 %
+more prefix hits than LRU at 1-2 % of the conversation trace's unique blocks; on the generated
+traces under ARC by up to 2.3 points at 1 % of the document trace (floods of one-off
+documents) and under LRU by up to 0.4 at 10-20 % of the production trace
+(docs/benchmarks.md). Without :meth:`note_request` (a manager that does not know requests,
+vLLM's drop-in) it is ARC's lists with this victim rule and no continuations: every new block
+goes to T1.
 
 Cost: ARC's lists (:class:`~tiering.policies._order.RecencyOrder` partners sharing pins), a
-dict probe per key of each noted request, an ordered dict of tails, two logarithms per head
-compared.
+dict probe per key of each noted request and a set of its keys, an ordered dict of tails; per
+victim one key taken ahead from its list and ranked (two logarithms and an exponential).
 """
 
 from __future__ import annotations
