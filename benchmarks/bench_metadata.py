@@ -79,6 +79,37 @@ def _reuse_store_us(
     return (time.perf_counter() - t0) / ((len(batches) - 1) * BATCH) * 1e6
 
 
+def _reuse_store_reps(kind: str, policy: str, num_blocks: int, ops: int, reps: int) -> list[float]:
+    """:func:`_reuse_store_us` on a manager of its own, filled alike: the store column's state
+    (new blocks only) stays what it was without this phase."""
+    manager = _manager(kind, policy, num_blocks)
+    _fill(manager, num_blocks)
+    gc.collect()
+    gc.disable()
+    try:
+        next_key = num_blocks
+        times = []
+        for _ in range(reps):
+            times.append(_reuse_store_us(manager, next_key, ops))
+            next_key += ops + BATCH
+    finally:
+        gc.enable()
+        if isinstance(manager, TieringOffloadingManager):
+            manager.shutdown()
+    return times
+
+
+def _manager(
+    kind: str, policy: str, num_blocks: int
+) -> CPUOffloadingManager | TieringOffloadingManager:
+    if kind == "tiering":
+        pool = torch.empty((1, 64), dtype=torch.uint8)  # metadata only: no bytes move
+        return TieringOffloadingManager(
+            CPUOffloadingManager(num_blocks, policy), [], pool=pool.expand(num_blocks, 64)
+        )
+    return CPUOffloadingManager(num_blocks, policy)
+
+
 def _lookup_us(
     manager: CPUOffloadingManager | TieringOffloadingManager, present: list[OffloadKey], n: int
 ) -> float:
@@ -117,28 +148,21 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
         ("cpu", "chain"),
         ("tiering", "lru"),
     ):
-        primary = CPUOffloadingManager(num_blocks, policy)
-        manager: CPUOffloadingManager | TieringOffloadingManager = primary
-        if kind == "tiering":
-            pool = torch.empty((1, 64), dtype=torch.uint8)  # metadata only: no bytes move
-            manager = TieringOffloadingManager(
-                CPUOffloadingManager(num_blocks, policy), [], pool=pool.expand(num_blocks, 64)
-            )
+        manager = _manager(kind, policy, num_blocks)
         _fill(manager, num_blocks)
         gc.collect()
         gc.disable()
         try:
-            stores, reuse_stores, lookups = [], [], []
+            stores, lookups = [], []
             next_key = num_blocks
             for _ in range(reps):
                 stores.append(_store_us(manager, next_key, ops))
                 next_key += ops
-                reuse_stores.append(_reuse_store_us(manager, next_key, ops))
-                next_key += ops + BATCH
                 present = _keys(next_key - num_blocks, num_blocks)
                 lookups.append(_lookup_us(manager, present, ops))
         finally:
             gc.enable()
+        reuse_stores = _reuse_store_reps(kind, policy, num_blocks, ops, reps)
         rows.append(
             {
                 "manager": kind,
@@ -153,7 +177,7 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
         )
         if isinstance(manager, TieringOffloadingManager):
             manager.shutdown()
-        del manager, primary
+        del manager
         gc.collect()
     return rows
 
