@@ -57,6 +57,14 @@ class TwoListPolicy(EvictionPolicy):
             raise KeyError(_first_held_or_repeated(keys, held))
         self.insert_new(keys, evictable)
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A use: a T1 key moves to T2 as its most recent (a pinned one, still being written,
+        stays in T1: preparing a block is not a second use), a T2 key becomes T2's most recent;
+        ``keys[0]`` ends most recent. Absent keys (ARC's ghosts too) are ignored."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        self._t1.touch_all_promoting(keys, self._t2)
+
     def refresh(self, keys: Sequence[bytes]) -> None:
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys)

@@ -29,7 +29,6 @@ from typing import ClassVar
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
-    check_touch_keys,
     protected_set,
 )
 from tiering.policies._two_lists import TwoListPolicy
@@ -151,12 +150,6 @@ class ARCPolicy(TwoListPolicy):
         self._target_t1_size = p
         if not (t1.add_all(to_t1, evictable) and t2.add_all(to_t2, evictable)):
             raise KeyError("insert_new: a key was held already or listed twice")
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        if isinstance(keys, (bytes, bytearray, str)):
-            check_touch_keys(keys)
-        # Absent and ghost keys are ignored: adaptation is at insert.
-        self._t1.touch_all_promoting(keys, self._t2)
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:

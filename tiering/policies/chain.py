@@ -61,7 +61,6 @@ from typing import ClassVar, NamedTuple
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
-    check_touch_keys,
     protected_set,
 )
 from tiering.policies._two_lists import TwoListPolicy
@@ -188,11 +187,6 @@ class ChainPolicy(TwoListPolicy):
             for counts in (self._requests, self._continued, self._delay_ticks):
                 counts[0] /= 2
                 counts[1] /= 2
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        if isinstance(keys, (bytes, bytearray, str)):
-            check_touch_keys(keys)
-        self._t1.touch_all_promoting(keys, self._t2)
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
