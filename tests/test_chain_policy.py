@@ -250,6 +250,13 @@ def test_tails_are_bounded_and_counts_halve() -> None:
     assert policy.class_stats[0].requests == 10  # 20 requests, halved at the 20th store
 
 
+def test_a_key_for_a_request_is_a_typed_error() -> None:
+    policy = ChainPolicy(10)
+    with pytest.raises(InvalidKeyError, match=r"note_request\(\) takes a sequence of keys"):
+        policy.note_request(k(0))  # type: ignore[arg-type]
+    assert policy.class_stats == (ChainClassStats(0, 0, 0), ChainClassStats(0, 0, 0))
+
+
 def test_clear_forgets_what_was_learned() -> None:
     policy = ChainPolicy(10)
     policy.note_request([k(0)])

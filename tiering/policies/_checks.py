@@ -18,11 +18,11 @@ def check_insert_key(key: object) -> None:
         raise InvalidKeyError(f"policy keys must be bytes, got {type(key).__name__}: {key!r:.80}")
 
 
-def check_touch_keys(keys: Sequence[bytes]) -> None:
-    """Reject a single key passed where a sequence of keys is expected."""
+def check_touch_keys(keys: Sequence[bytes], method: str = "touch") -> None:
+    """Reject a single key passed where a sequence of keys is expected (by ``method``)."""
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidKeyError(
-            f"touch() takes a sequence of keys, got a single {type(keys).__name__}: {keys!r:.80}"
+            f"{method}() takes a sequence of keys, got a single {type(keys).__name__}: {keys!r:.80}"
         )
 
 

@@ -61,6 +61,7 @@ from typing import ClassVar, NamedTuple
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
+    check_touch_keys,
     protected_set,
 )
 from tiering.policies._two_lists import TwoListPolicy
@@ -135,6 +136,8 @@ class ChainPolicy(TwoListPolicy):
 
     def note_request(self, keys: Sequence[bytes]) -> None:
         """Learn from a request's keys (prefix order) and class the blocks it will store."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys, "note_request")
         if not keys:
             return
         tails = self._tails
