@@ -397,3 +397,27 @@ def test_chain_in_a_tiering_manager_and_in_the_study_agree() -> None:
         assert policy.class_stats[0].continued == 1
     finally:
         manager.shutdown()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=6), max_size=60),
+    capacity=st.integers(2, 8),
+)
+def test_told_no_requests_it_is_lru(requests: list[list[int]], capacity: int) -> None:
+    """Under a caller that never calls ``note_request`` (vLLM's drop-in) both classes learn
+    nothing alike, and the older head goes: LRU's victims, call for call."""
+    chain, lru = ChainPolicy(capacity), LRUPolicy(capacity)
+    for request in requests:
+        keys = list(dict.fromkeys(k(i) for i in request))
+        held = [key for key in keys if key in lru]
+        assert held == [key for key in keys if key in chain]
+        for p in (chain, lru):
+            p.touch(keys)
+        missing = [key for key in keys if key not in lru][-capacity:]
+        shortfall = len(lru) + len(missing) - capacity
+        if shortfall > 0:
+            assert chain.evict(shortfall, set(keys)) == lru.evict(shortfall, set(keys))
+        for p in (chain, lru):
+            p.insert_new(missing)
+    assert list(chain) == list(lru)

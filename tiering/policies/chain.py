@@ -43,8 +43,8 @@ more prefix hits than LRU at 1-2 % of the conversation trace's unique blocks; on
 traces under ARC by up to 2.3 points at 1 % of the document trace (floods of one-off
 documents) and under LRU by up to 0.4 at 10-20 % of the production trace
 (docs/benchmarks.md). Without :meth:`note_request` (a manager that does not know requests,
-vLLM's drop-in) it is ARC's lists with this victim rule and no continuations: every new block
-goes to T1.
+vLLM's drop-in) every new block goes to T1 and both classes learn nothing, so they rank
+alike and the older head goes: it is LRU, victim for victim (tested).
 
 Cost: ARC's lists (:class:`~tiering.policies._order.RecencyOrder` partners sharing pins), a
 dict probe per key of each noted request and a set of its keys, an ordered dict of tails; per
