@@ -168,6 +168,22 @@ def test_a_prompt_read_again_whole_keeps_its_tail() -> None:
     assert policy.t2_keys == (k(1), k(0))  # reused: the head most recent
 
 
+def test_a_request_told_at_its_end_moves_its_blocks_when_it_continued() -> None:
+    """vLLM's order: stores first, the request whole at its end."""
+    policy = ChainPolicy(100)
+    first = [k(0), k(1)]
+    policy.insert_new(first)
+    policy.note_finished_request(first)  # fresh: its blocks stay in T1, its tail remembered
+    assert (policy.t1_keys, policy.t2_keys, policy.tail_keys) == (tuple(first), (), (k(1),))
+    turn = [*first, k(2), k(3)]
+    policy.insert_new([k(2), k(3)])
+    policy.note_finished_request(turn)  # continues k(1): its new blocks move to T2
+    assert policy.t1_keys == ()
+    assert set(policy.t2_keys) == set(turn)
+    assert policy.tail_keys == (k(3),)
+    assert policy.class_stats == (ChainClassStats(1, 1, 2), ChainClassStats(1, 0, 0))
+
+
 def test_stores_of_no_noted_request_are_fresh() -> None:
     policy = ChainPolicy(10)
     policy.note_request([k(0), k(1)])
@@ -339,6 +355,12 @@ def test_the_managers_pass_a_request_on_to_the_primary_policy(tmp_path: Path) ->
     assert isinstance(policy, ChainPolicy)
     assert policy.tail_keys == (keys[-1],)
     assert policy.class_stats[0].requests == 1
+    more = [*keys, make_offload_key((9).to_bytes(32, "big"), 0)]
+    out = manager.prepare_store(more)
+    assert out is not None
+    manager.complete_store(out.keys_to_store)
+    manager.note_request(more, ended=True)  # at its end: it continued the first request
+    assert policy.class_stats[0].continued == 1 and more[-1] in policy.t2_keys
     with pytest.raises(InvalidArgumentError):
         manager.note_request(keys, "req-1")  # req_context is keyword-only
     with pytest.raises(InvalidKeyError):

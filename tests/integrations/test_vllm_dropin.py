@@ -49,7 +49,7 @@ from tiering.integrations import vllm_plugin
 from tiering.integrations.vllm import INFO_KEYS, PRIMARY_LABEL, TieringManager, TieringSpec
 from tiering.integrations.vllm_layout import layout_fingerprint
 from tiering.integrations.vllm_tiers import TieringTierMetrics
-from tiering.policies import HybridPolicy
+from tiering.policies import ChainPolicy, HybridPolicy
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 HIT_PENDING = LookupResult.HIT_PENDING
@@ -451,6 +451,30 @@ def test_recency_is_each_request_s_accesses_applied_when_it_finishes(
     driver.finish_request(reader)
     out = driver.store(driver.new_request("r4"), c)
     assert out.evicted_keys == [b[1], b[0], a[1]]
+
+
+def test_chain_learns_each_request_when_it_finishes(
+    tmp_path: Path, drivers: list[ManagerDriver]
+) -> None:
+    """vLLM's connector gives a request's keys a step at a time: the drop-in tells the policy
+    the request whole when it finishes, and chain files a continuation's new blocks then."""
+    driver = start(drivers, write_yaml(tmp_path, []), extra={"eviction_policy": "chain"})
+    a, b = keys_for("a", 2), keys_for("b", 2)
+    first = driver.new_request("r1")
+    driver.store(first, a)
+    driver.finish_request(first)
+    turn = driver.new_request("r2")  # the next turn: a, then b
+    for position, key in enumerate([*a, *b], 1):
+        turn.set_offload_key_position(key, position * BLOCK_SIZE)
+    assert driver.lookup(turn, a) == [HIT, HIT]
+    driver.load(turn, a)
+    driver.store(turn, b)
+    policy = adapter(driver).manager.primary.policy
+    assert isinstance(policy, ChainPolicy)
+    assert set(b) <= set(policy.t1_keys)  # stored before the request is known whole
+    driver.finish_request(turn)
+    assert policy.class_stats[0].continued == 1
+    assert set(policy.t2_keys) == {*a, *b} and policy.tail_keys == (b[-1],)
 
 
 def test_completions_given_as_sets_apply_in_prefix_order(

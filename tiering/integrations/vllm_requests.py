@@ -22,6 +22,10 @@ __all__ = ["RequestAccesses", "prefix_order"]
 
 
 class _Recency(Protocol):
+    def note_request(
+        self, keys: list[Key], *, req_context: object = None, ended: bool = False
+    ) -> None: ...
+
     def touch(self, keys: list[Key], *, req_context: object = None) -> None: ...
 
     def refresh(self, keys: list[Key], *, req_context: object = None) -> None: ...
@@ -80,6 +84,9 @@ class RequestAccesses:
         if not self.accessed:
             return
         keys = prefix_order(list(self.accessed), req_context)
+        # The request whole, known only now (vLLM's connector gives its keys a step at a time):
+        # a policy that learns from requests (chain) learns from it before the ranking below.
+        manager.note_request(cast("list[Key]", keys), req_context=req_context, ended=True)
         reused = self.reused
         end = len(keys)
         while end:

@@ -116,8 +116,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._slot_alloc = SlotAllocator(num_blocks, self._slots, self._policy)
         self._events: list[OffloadingEvent] = []
         self._closed = False
-        # None when every offer is admitted.
-        self._admission = (
+        self._admission = (  # None when every offer is admitted
             StoreAdmission(store_threshold, store_threshold_max_keys)
             if store_threshold > 1
             else None
@@ -245,8 +244,7 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> None:
-        """Mark keys as most recently used; the first key ends most recent. Absent keys are
-        ignored."""
+        """A use of each key, the first ending most recent; absent keys are ignored."""
         if misplaced:
             reject_positional("touch", misplaced, "req_context")
         self._policy.touch(check_keys(keys))
@@ -258,18 +256,22 @@ class CPUOffloadingManager(OffloadingManager):
     def refresh(
         self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
     ) -> None:
-        """Make keys recent without counting a use (:meth:`EvictionPolicy.refresh`: keys the
-        request stored, not reused); the first key ends most recent. Absent keys are ignored."""
+        """Recency without a use (:meth:`EvictionPolicy.refresh`), the first key most recent."""
         if misplaced:
             reject_positional("refresh", misplaced, "req_context")
         self._policy.refresh(check_keys(keys))
 
     def note_request(
-        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+        self,
+        keys: Collection[OffloadKey],
+        *misplaced: object,
+        req_context: object = None,
+        ended: bool = False,
     ) -> None:
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
-        self._policy.note_request(check_keys(keys))
+        note = self._policy.note_finished_request if ended else self._policy.note_request
+        note(check_keys(keys))
 
     # -- stores -------------------------------------------------------------------------------
 

@@ -341,11 +341,17 @@ class OffloadingManager(ABC):
         Absent keys are ignored."""
 
     def note_request(
-        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+        self,
+        keys: Collection[OffloadKey],
+        *misplaced: object,
+        req_context: object = None,
+        ended: bool = False,
     ) -> None:
-        """A request's keys, in prefix order, once, before its touches and stores: for a primary
-        policy that learns from requests (:meth:`EvictionPolicy.note_request`). Optional: a
-        manager that is never told works as before. The default does nothing."""
+        """A request's keys, in prefix order, once, before its touches and stores (or, with
+        ``ended``, once it has ended, for a caller that knows a request whole only then): for
+        a primary policy that learns from requests (:meth:`EvictionPolicy.note_request`,
+        :meth:`EvictionPolicy.note_finished_request`). Optional: a manager that is never told
+        works as before. The default does nothing."""
         return
 
     # -- stores -----------------------------------------------------------------------------------

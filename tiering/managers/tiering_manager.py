@@ -390,15 +390,19 @@ class TieringOffloadingManager(TieringLifecycle):
             tier.refresh(key_list, req_context=req_context)
 
     def note_request(
-        self, keys: Collection[OffloadKey], *misplaced: object, req_context: object = None
+        self,
+        keys: Collection[OffloadKey],
+        *misplaced: object,
+        req_context: object = None,
+        ended: bool = False,
     ) -> None:
-        """Tell the primary tier's policy a request's keys (a secondary tier sees only the
-        primary's misses, not requests)."""
+        """Tell the primary tier's policy a request's keys, before its stores or (``ended``)
+        once it has ended (a secondary tier sees only the primary's misses, not requests)."""
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
         key_list = check_keys(keys)
         self._check_open()
-        self.primary.policy.note_request(key_list)
+        self.primary.note_request(key_list, ended=ended)
 
     # -- stores ----------------------------------------------------------------------------------
 

@@ -50,7 +50,9 @@ class EvictionPolicy(ABC):
     - :meth:`note_request` gives the policy a request's keys, in prefix order, before the
       request's touches and stores (a policy that learns from requests, such as ``chain``,
       classes the request there); the default does nothing. A caller that does not know
-      requests never calls it, and every policy must work without it.
+      requests never calls it, and every policy must work without it;
+      :meth:`note_finished_request` is its form for a caller that learns a request only when it
+      ends.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
@@ -142,6 +144,13 @@ class EvictionPolicy(ABC):
         """The keys of one request, in prefix order (held, absent or ghosts alike), before its
         :meth:`touch` and :meth:`insert_new` calls; at most once per request. Changes no held
         key's order or evictability and evicts nothing. The default does nothing."""
+        return
+
+    def note_finished_request(self, keys: Sequence[bytes]) -> None:
+        """:meth:`note_request` from a caller that knows a request whole only when it ends
+        (vLLM's connector), after its stores: once per request, instead of
+        :meth:`note_request`. May move the request's keys between a policy's lists (keeping
+        their evictability) and evicts nothing. The default does nothing."""
         return
 
     @abstractmethod

@@ -12,7 +12,9 @@ when stored, and ARC files them with one-off documents.
 Decisions (T1: class 0, blocks of requests that continued nothing, not reused since stored;
 T2: class 1, blocks reused since stored and blocks of requests that continued an earlier one):
 
-- **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order. The
+- **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order
+  (:meth:`note_finished_request` when the caller knows them only at the request's end, as
+  vLLM's drop-in does: the same, a continuation's blocks moved to T2 then). The
   last key of every request is remembered as a *tail* (held or not, up to
   ``_TAIL_CAPACITIES`` x capacity of them, the oldest forgotten first), with the request's
   class and the time. A request whose keys hold a remembered tail continues it (the deepest
@@ -42,9 +44,9 @@ within 0.2 points of the better of LRU and ARC at 9 of 10 points (``hybrid``: 8)
 more prefix hits than LRU at 1-2 % of the conversation trace's unique blocks; on the generated
 traces under ARC by up to 2.3 points at 1 % of the document trace (floods of one-off
 documents) and under LRU by up to 0.4 at 10-20 % of the production trace
-(docs/benchmarks.md). Without :meth:`note_request` (a manager that does not know requests,
-vLLM's drop-in) every new block goes to T1 and both classes learn nothing, so they rank
-alike and the older head goes: it is LRU, victim for victim (tested).
+(docs/benchmarks.md). Told no requests (a manager that does not know them) every new block goes
+to T1 and both classes learn nothing, so they rank alike and the older head goes: it is LRU,
+victim for victim (tested).
 
 Cost: ARC's lists (:class:`~tiering.policies._order.RecencyOrder` partners sharing pins), a
 dict probe per key of each noted request and a set of its keys, an ordered dict of tails; per
@@ -140,6 +142,27 @@ class ChainPolicy(TwoListPolicy):
             check_touch_keys(keys, "note_request")
         if not keys:
             return
+        self._request_class = self._classify(keys)
+        self._request_keys = frozenset(keys)
+        self._request_last = keys[-1]
+
+    def note_finished_request(self, keys: Sequence[bytes]) -> None:
+        """:meth:`note_request` once the request has stored its blocks: a continuation's are
+        moved to T2 now (a touch: T1's held keys of the request are its own new blocks, its
+        reused ones are in T2 already), and its last block, held, is remembered as a tail."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys, "note_finished_request")
+        if not keys:
+            return
+        request_class = self._classify(keys)
+        if request_class:
+            self._t1.touch_all_promoting(keys, self._t2)
+        last = keys[-1]
+        if last in self:
+            self._remember_tail(last, request_class)
+
+    def _classify(self, keys: Sequence[bytes]) -> int:
+        """The class of a request (1: it continues a remembered tail), learning from it."""
         tails = self._tails
         found: tuple[int, int] | None = None
         found_key = b""
@@ -161,9 +184,7 @@ class ChainPolicy(TwoListPolicy):
                 tails[last] = (1, now)
                 tails.move_to_end(last)
         self._requests[request_class] += 1
-        self._request_class = request_class
-        self._request_keys = frozenset(keys)
-        self._request_last = last
+        return request_class
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
         if type(key) is not bytes:
