@@ -182,6 +182,8 @@ def test_a_request_told_at_its_end_moves_its_blocks_when_it_continued() -> None:
     assert set(policy.t2_keys) == set(turn)
     assert policy.tail_keys == (k(3),)
     assert policy.class_stats == (ChainClassStats(1, 1, 2), ChainClassStats(1, 0, 0))
+    policy.note_finished_request([k(0)])  # ends inside a prefix held before: starts no tail
+    assert policy.tail_keys == (k(3),)
 
 
 def test_stores_of_no_noted_request_are_fresh() -> None:

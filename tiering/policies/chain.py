@@ -148,17 +148,21 @@ class ChainPolicy(TwoListPolicy):
 
     def note_finished_request(self, keys: Sequence[bytes]) -> None:
         """:meth:`note_request` once the request has stored its blocks: a continuation's are
-        moved to T2 now (a touch: T1's held keys of the request are its own new blocks, its
-        reused ones are in T2 already), and its last block, held, is remembered as a tail."""
+        moved to T2 now (a touch: T1's held keys of the request are its own new blocks), and
+        its last block, if it stored it, is remembered as a tail."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys, "note_finished_request")
         if not keys:
             return
+        last = keys[-1]
+        # Its last block in T1 is one it stored (a block held before and read again is in T2:
+        # a touch moved it), and only a stored last block starts a tail: a request that ends
+        # inside a prefix others hold (a shared first block) continues nothing of its own.
+        stored_last = last in self._t1
         request_class = self._classify(keys)
         if request_class:
             self._t1.touch_all_promoting(keys, self._t2)
-        last = keys[-1]
-        if last in self:
+        if stored_last:
             self._remember_tail(last, request_class)
 
     def _classify(self, keys: Sequence[bytes]) -> int:
