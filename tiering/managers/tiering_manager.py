@@ -402,7 +402,8 @@ class TieringOffloadingManager(TieringLifecycle):
             reject_positional("note_request", misplaced, "req_context")
         key_list = check_keys(keys)
         self._check_open()
-        self.primary.note_request(key_list, ended=ended)
+        policy = self.primary.policy  # its keys checked once, here
+        (policy.note_finished_request if ended else policy.note_request)(key_list)
 
     # -- stores ----------------------------------------------------------------------------------
 

@@ -317,7 +317,7 @@ class ChainPolicy(TwoListPolicy):
 class _Rank:
     """log P(continued within ``horizon`` ticks | a block stamped at ``stamp``, its class)."""
 
-    __slots__ = ("_base", "_delay", "_log_share", "_now", "_share")
+    __slots__ = ("_base", "_delay", "_now", "_share")
 
     def __init__(self, now: int, share: float, delay: float, horizon: float) -> None:
         self._now = now
