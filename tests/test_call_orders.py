@@ -4,6 +4,7 @@ A hypothesis state machine drives a :class:`TieringOffloadingManager` over real 
 memory tiers (gated: tier I/O finishes when the machine says, in any order, or fails) with every
 public call, interleaving several requests: lookups (single, prefix, hybrid), loads, touches,
 stores completed with their keys, a subset or a superset of the offered keys (others' keys too),
+requests noted to the policy (before or after their stores; ``chain`` moves blocks then),
 failed stores, step ends, events, resets. Keys are content-addressed, as in an engine: the only
 right bytes for a key are :func:`payload` of it. The machine checks the bytes of every load (when it
 is prepared and again when it completes), of every block a tier writes (read back from the
@@ -153,7 +154,7 @@ class CallOrders(RuleBasedStateMachine):
         primary_blocks=st.integers(2, 3),
         tier_blocks=st.lists(st.integers(2, 5), min_size=3, max_size=3),
         max_inflight_jobs=st.integers(1, 2),
-        policy=st.sampled_from(["lru", "arc"]),
+        policy=st.sampled_from(["lru", "arc", "chain"]),
     )
     def build(
         self,
@@ -282,6 +283,16 @@ class CallOrders(RuleBasedStateMachine):
     @rule(req=st.sampled_from(REQUESTS), keys=st.lists(st.sampled_from(KEYS), max_size=3))
     def touch(self, req: Hashable, keys: list[OffloadKey]) -> None:
         self.m.touch(keys, req_context=req)
+
+    @rule(
+        req=st.sampled_from(REQUESTS),
+        keys=st.lists(st.sampled_from(KEYS), max_size=4, unique=True),
+        ended=st.booleans(),
+    )
+    def note_request(self, req: Hashable, keys: list[OffloadKey], ended: bool) -> None:
+        # Before its stores or (ended) after them, between any two calls of any request:
+        # chain moves a continuation's blocks between its lists then, pins and all.
+        self.m.note_request(keys, req_context=req, ended=ended)
 
     # -- loads ----------------------------------------------------------------------------------
 

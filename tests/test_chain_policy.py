@@ -445,3 +445,47 @@ def test_told_no_requests_it_is_lru(requests: list[list[int]], capacity: int) ->
         for p in (chain, lru):
             p.insert_new(missing)
     assert list(chain) == list(lru)
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["note", "note_end", "touch", "store", "pin", "unpin", "evict"]),
+        st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops)
+def test_notes_in_any_order_keep_what_is_held_and_pinned(ops: list[tuple[str, list[int]]]) -> None:
+    """Any interleaving of notes (either form), touches, stores, pins and evictions: a note
+    changes no held key and no pin, and no eviction returns a pinned or protected key."""
+    policy = ChainPolicy(6)
+    pinned: set[bytes] = set()
+    for op, ids in ops:
+        keys = [k(i) for i in ids]
+        held = {key for key in map(k, range(10)) if key in policy}
+        if op in ("note", "note_end"):
+            (policy.note_request if op == "note" else policy.note_finished_request)(keys)
+            assert {key for key in map(k, range(10)) if key in policy} == held
+            assert all(not _evictable(policy, key) for key in pinned)
+        elif op == "touch":
+            policy.touch(keys)
+        elif op == "store":
+            missing = [key for key in keys if key not in policy]
+            policy.insert_new(missing, evictable=False)  # written, then made ready
+            policy.set_evictable_many(missing, True)
+        elif op in ("pin", "unpin"):
+            chosen = [key for key in keys if key in policy and (key in pinned) == (op == "unpin")]
+            policy.set_evictable_many(chosen, op == "unpin")
+            pinned.symmetric_difference_update(chosen)
+        else:
+            protected = set(keys[:1])
+            victims = policy.evict(1, protected) or []
+            assert not set(victims) & (pinned | protected)
+            assert set(victims) <= held
+
+
+def _evictable(policy: ChainPolicy, key: bytes) -> bool:
+    return policy._t1.is_evictable(key) and policy._t2.is_evictable(key)
