@@ -696,7 +696,7 @@ class _FewPinsInPlaceMixin(_CompactingMixin):
     def pinned_in_place_are_held_in_place(self) -> None:
         for order in _orders(self.policy):
             # ARC's lists share their marks: a key marked is in the _main of one of them.
-            orders = [order] if order._partner is None else [order, order._partner]
+            orders = [order, *order._partners]
             assert len(order._pinned_in_place) <= order_module._PINNED_IN_PLACE_MAX
             for key in order._pinned_in_place:
                 assert sum(key in o._main for o in orders) == 1

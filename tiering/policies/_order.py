@@ -15,9 +15,9 @@ pin), and a victim search that meets a marked key parks it and every other marke
 So a search parks at most that many pinned keys, whatever the number pinned, and no key is
 parked twice for one pin.
 
-Partners. ARC's two lists share one ``_pinned_in_place`` dict (:meth:`share_pins_with`): a
-caller that knows a key is held and evictable in one of them pins it with one dict insertion
-(:meth:`pin_all_in_place`), without looking up which list holds it. Each list's victim search
+Partners. ARC's two lists (chain's three) share one ``_pinned_in_place`` dict
+(:meth:`share_pins_with`): a caller that knows a key is held and evictable in one of them pins
+it with one dict insertion (:meth:`pin_all_in_place`), without looking up which list holds it. Each list's victim search
 and touches meet only its own keys, so a shared mark means the same as a list's own; parking
 moves each marked key out of whichever list holds it.
 
@@ -67,30 +67,32 @@ class RecencyOrder(StampedOrder):
     ``evict`` call, possibly several :meth:`take` calls) is over, to commit or undo it.
     """
 
-    __slots__ = ("_aside", "_partner", "_taken_keys", "_taken_stamps")
+    __slots__ = ("_aside", "_partners", "_taken_keys", "_taken_stamps")
 
     def __init__(self) -> None:
         super().__init__()
-        self._partner: RecencyOrder | None = None  # the order sharing _pinned_in_place
+        self._partners: tuple[RecencyOrder, ...] = ()  # the orders sharing _pinned_in_place
         self._aside: list[tuple[int, bytes]] = []
         self._taken_keys: list[bytes] = []
         self._taken_stamps: list[int] = []
 
     def share_pins_with(self, partner: RecencyOrder) -> None:
-        """Share this order's keys pinned in place with ``partner`` (both empty): one mark
-        pins a key of either (ARC's T1 and T2)."""
-        if self.size or partner.size or self._partner or partner._partner:
-            raise ValueError("share_pins_with: both orders must be empty and unpartnered")
-        partner._pinned_in_place = self._pinned_in_place
-        self._partner, partner._partner = partner, self
+        """Share this order's keys pinned in place with ``partner`` (both empty; ``partner``
+        unpartnered): one mark pins a key of any order of the group (ARC's T1 and T2; called
+        again with a third order, chain's three lists)."""
+        if self.size or partner.size or partner._partners or partner is self:
+            raise ValueError("share_pins_with: both orders must be empty, the partner unpartnered")
+        group = (self, *self._partners, partner)
+        for order in group:
+            order._pinned_in_place = self._pinned_in_place
+            order._partners = tuple(other for other in group if other is not order)
 
     @property
     def evictable_count(self) -> int:
-        """How many keys may be evicted (protected ones included); with a partner, in the two
-        orders together (the keys pinned in place are counted once, in neither)."""
+        """How many keys may be evicted (protected ones included); with partners, in all the
+        orders together (the keys pinned in place are counted once, in none)."""
         count = self.size - len(self._parked) - len(self._pinned_in_place)
-        partner = self._partner
-        if partner is not None:
+        for partner in self._partners:
             count += partner.size - len(partner._parked)
         return count
 
@@ -309,15 +311,16 @@ class RecencyOrder(StampedOrder):
         """Move every key pinned in place out of ``_main`` into ``_parked``: O(keys), at most
         ``_PINNED_IN_PLACE_MAX``. Returns how many valid heap entries went stale; the caller
         takes them off ``_released`` (no compaction here: :meth:`take` holds the heap). The
-        partner's marked keys (pins are shared) go to the partner's ``_parked``."""
+        partners' marked keys (pins are shared) go to their own ``_parked``."""
         stale, elsewhere = self._park_keys(self._pinned_in_place)
         self._pinned_in_place.clear()
-        if elsewhere:
-            assert self._partner is not None
-            partner_stale, _ = self._partner._park_keys(elsewhere)
-            if partner_stale:  # the partner holds no search: it settles them at once
-                self._partner._released -= partner_stale
-                self._partner._compact_if_stale()
+        for partner in self._partners:
+            if not elsewhere:
+                break
+            partner_stale, elsewhere = partner._park_keys(elsewhere)
+            if partner_stale:  # a partner holds no search: it settles them at once
+                partner._released -= partner_stale
+                partner._compact_if_stale()
         return stale
 
     def _park_keys(self, keys: Iterable[bytes]) -> tuple[int, list[bytes]]:

@@ -193,58 +193,76 @@ class StampedOrder:
             self._compact_if_stale()
 
     def touch_all_promoting(self, keys: Sequence[bytes], into: StampedOrder) -> None:
-        """ARC's touch, from the last key to the first: an evictable key of this order moves to
-        ``into`` as its most recent, a pinned one becomes this order's most recent (preparing a
-        block is not a second use), any other key is touched in ``into`` (absent: ignored).
-        One clock for both orders in this call: a key that stays here and one moved or touched
-        in ``into`` keep the call's order, for a policy that compares the two orders' stamps."""
-        main, parked, in_place = self._main, self._parked, self._pinned_in_place
-        into_main, into_parked = into._main, into._parked
-        move_to_end = into_main.move_to_end
-        stamp, last, into_last = max(self._clock, into._clock), self._last, into._last
-        moved = 0
-        into_released = into._released
+        """ARC's touch: :meth:`gather_all` of ``keys`` into ``into`` from this order."""
+        into.gather_all(keys, (self,))
+
+    def gather_all(self, keys: Sequence[bytes], sources: Sequence[StampedOrder]) -> None:
+        """A use that moves keys up into this order, from the last key to the first: a key of
+        this order becomes its most recent; an evictable key of a ``sources`` order moves here
+        as the most recent, a pinned one becomes its own order's most recent (preparing a block
+        is not a second use); any other key is ignored. One clock for every order in this
+        call: the keys keep the call's order, for a policy that compares the orders' stamps."""
+        main, parked = self._main, self._parked
+        move_to_end = main.move_to_end
+        stamp = max(self._clock, *(source._clock for source in sources))
+        last = self._last
         released = self._released
-        into_any_released = into_released or into._rel  # else no key's mark needs reading
+        any_released = released or self._rel  # else no key's mark needs reading
+        changed: list[StampedOrder] = []
+        moved = 0
         for key in reversed(keys):
-            # The lists are disjoint: the likeliest places first.
-            if key in into_main:
+            # The orders are disjoint: the likeliest places first.
+            if key in main:
                 move_to_end(key)
-                if into_any_released and into_main[key] < 0 and into._rel.pop(key, None) is None:
-                    into_released -= 1  # released: its heap entry goes stale
-            elif key in main:
-                if in_place and key in in_place:  # pinned: stays, as the most recent
-                    main.move_to_end(key)
-                    if main[key] < 0 and self._rel.pop(key, None) is None:
-                        released -= 1  # released: its heap entry goes stale
-                    stamp += 1
-                    main[key] = last = stamp
-                    continue
-                if main.pop(key) < 0 and self._rel.pop(key, None) is None:
+                if any_released and main[key] < 0 and self._rel.pop(key, None) is None:
                     released -= 1  # released: its heap entry goes stale
-                moved += 1
             elif key in parked:
                 stamp += 1
                 parked[key] = stamp
                 continue
-            elif key in into_parked:
-                stamp += 1
-                into_parked[key] = stamp
-                continue
             else:
-                continue  # absent (or a ghost): ignored
+                for source in sources:
+                    source_main = source._main
+                    if key in source_main:
+                        in_place = source._pinned_in_place
+                        if in_place and key in in_place:  # pinned: stays, as the most recent
+                            source_main.move_to_end(key)
+                            if source_main[key] < 0:
+                                source._drop_place_later(key, changed)
+                            stamp += 1
+                            source_main[key] = source._last = stamp
+                            break
+                        if source_main.pop(key) < 0:
+                            source._drop_place_later(key, changed)
+                        source.size -= 1
+                        moved += 1
+                        stamp += 1
+                        main[key] = last = stamp
+                        break
+                    if key in source._parked:
+                        stamp += 1
+                        source._parked[key] = stamp
+                        break
+                continue
             stamp += 1
-            into_main[key] = into_last = stamp
-        self._clock, self._last, into._clock, into._last = stamp, last, stamp, into_last
-        if moved:
-            self.size -= moved
-            into.size += moved
+            main[key] = last = stamp
+        self._clock, self._last = stamp, last
+        for source in sources:
+            source._clock = stamp
+        self.size += moved
         if released != self._released:
             self._released = released
             self._compact_if_stale()
-        if into_released != into._released:
-            into._released = into_released
-            into._compact_if_stale()
+        for source in changed:
+            source._compact_if_stale()
+
+    def _drop_place_later(self, key: bytes, changed: list[StampedOrder]) -> None:
+        """A released ``key`` left ``_main`` in a call that compacts once it is over: drop its
+        place in ``_rel``, or count its heap entry stale (``changed`` lists this order)."""
+        if self._rel.pop(key, None) is None:
+            self._released -= 1
+            if self not in changed:
+                changed.append(self)
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""

@@ -1,63 +1,70 @@
-"""Chain classes for conversation traffic (``"chain"``): keep the prefixes that are being
-continued, learning from the traffic how likely and how soon each kind comes back.
+"""Chain classes for conversation and document traffic (``"chain"``): keep the prefixes that are
+being continued, learning from the traffic how likely and how soon each kind comes back.
 
-Why. On chat traffic the blocks that come back are mostly a conversation's: its next turn
-sends the whole conversation so far as its prefix, minutes later. Whether a newly stored block
-will come back at all is what separates LRU from the optimum (docs/benchmarks.md, eighth
-session), and the best cheap sign of it is whether the request *continued* an earlier one: a
-conversation that has had a next turn is likelier to have another, and sooner, than a fresh
-prompt. ARC's sign (a block was reused) comes one turn later: a turn's new blocks are unused
-when stored, and ARC files them with one-off documents.
+Why. On production traffic the blocks that come back are mostly those of a prompt that is sent
+again with more after it: a conversation's next turn sends the whole conversation so far,
+minutes later; a popular document is asked about again. Whether a newly stored block will come
+back at all is what separates LRU from the optimum (docs/benchmarks.md), and the best cheap sign
+of it is how often the prompt it belongs to was *continued* already: a conversation that has
+had a next turn is likelier to have another than a fresh prompt, and one that had two likelier
+still; a document read twice is a popular one. ARC's sign (a block was reused) comes one turn
+later: a turn's new blocks are unused when stored, and ARC files them with one-off documents.
 
-Decisions (T1: class 0, blocks of requests that continued nothing, not reused since stored;
-T2: class 1, blocks reused since stored and blocks of requests that continued an earlier one):
+Decisions (three lists, each in recency order: class 0, blocks of requests that continued
+nothing, not reused since stored; class 1, blocks reused since stored, or of a request that
+continued a class-0 request; class 2, blocks of a request that continued a class-1 or class-2
+request):
 
-- **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order
-  (:meth:`note_finished_request` when the caller knows them only at the request's end, as
-  vLLM's drop-in does: the same, a continuation's blocks moved to T2 then). The
-  last key of every request is remembered as a *tail* (held or not, up to
+- **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order before
+  its stores (:meth:`note_finished_request` when the caller knows them only at the request's
+  end, as vLLM's drop-in does: the same, its blocks moved to its class then). The last
+  ``_TAIL_KEYS`` keys of every request are remembered as its *tails* (up to
   ``_TAIL_CAPACITIES`` x capacity of them, the oldest forgotten first), with the request's
-  class and the time. A request whose keys hold a remembered tail continues it (the deepest
-  one found): its new blocks go to T2, and the continued class counts an extension after
-  that delay. The tail continued is forgotten (a conversation goes on once from each turn)
-  unless it is the request's own last key (a prompt read again whole).
-- **Reuse.** A touch moves a held block to T2, as ARC does (a pinned block being written
-  stays).
+  class and the time, except a key held before the request that it did not continue (a
+  prefix others share, such as a system prompt, is nobody's tail). Two keys, not one: a
+  question after a document often fills a block of its own, and the document's last block is
+  what the next question shares. A request whose keys hold a remembered tail continues that
+  request (the deepest one found; the tail is then forgotten, or remembered again as this
+  request's own): its class is one above the continued one's (at most 2), and the continued
+  class counts an extension after that delay.
+- **Stores.** A noted request's new blocks go to its class, the deepest ranked oldest (a block
+  is of no use without the blocks before it, so a request's blocks go from the deepest up);
+  any other store goes to class 0 in the order given, as ``insert_many`` says.
+- **Uses.** A touch moves a held block up to class 1, or to the class of the request it is
+  for if higher (a pinned block being written stays); a block never moves down. A refresh
+  keeps each block in its class.
 - **Learned per class** (counts halved every ``_HALVING_CAPACITIES`` capacities of stored
   blocks, so the estimates follow the traffic): the share ``q`` of its requests continued
-  later and the mean delay ``tau`` before they were, each starting from the pooled estimate
-  of both classes with the weight of ``_PRIOR_REQUESTS`` requests. Time is the policy's clock,
-  one tick per key stored or touched.
-- **Victims.** Each list is in recency order, so its head is its oldest block. The victim is
-  the head least likely to be continued within the next ``capacity`` ticks given its age ``a``
-  (exponential delays: ``q s (1 - e^(-capacity / tau)) / (1 - q + q s)`` with
-  ``s = e^(-a / tau)``, compared as logarithms); a tie goes to T1. Within a class that
-  probability falls with age, so comparing the two heads is exact. Pinned and protected
-  blocks are passed over, as in every built-in.
-- **Prefix order.** New blocks are inserted deepest most recent (``insert_many``'s contract);
-  an engine's adapter ranks a request's blocks again at its end (:meth:`refresh`, each block
-  staying in its list).
+  later, and the distribution ``F`` of the delays before they were (a histogram of half-octave
+  bins), each starting from the pooled estimate of all classes with the weight of
+  ``_PRIOR_REQUESTS`` requests. Time is the policy's clock, one tick per key stored or
+  touched.
+- **Victims.** Each class gives up its oldest block first; between the three oldest, the
+  victim is the one least likely to be continued within the next ``capacity`` ticks given its
+  age ``a``: ``q (F(a + capacity) - F(a)) / (1 - q F(a))``; a tie goes to the lower class.
+  Pinned and protected blocks are passed over, as in every built-in.
 
 Where it comes from and what it gives: the chain-class rule of the project's third session,
-with two classes. In the study (``tiering policy-study``) on the public Mooncake traces,
-within 0.2 points of the better of LRU and ARC at 9 of 10 points (``hybrid``: 8), with 40-60 %
-more prefix hits than LRU at 1-2 % of the conversation trace's unique blocks; on the generated
-traces under ARC by up to 2.3 points at 1 % of the document trace (floods of one-off
-documents) and under LRU by up to 0.4 at 10-20 % of the production trace
-(docs/benchmarks.md). Told no requests (a manager that does not know them) every new block goes
-to T1 and both classes learn nothing, so they rank alike and the older head goes: it is LRU,
-victim for victim (tested).
+with delay histograms instead of exponential delays (think times are log-normal: a block that
+has waited a minute is likelier to be continued soon than a fresh one) and tails that a
+question after a document does not hide. In the study on the generated traces it is within
+0.2 points of the better of LRU and ARC at every size tried and closes 18-23 % of the LRU ->
+Belady gap at 5 % of the conversation and document traces (docs/benchmarks.md). Told no
+requests (a manager that does not know them) every new block goes to class 0 and no class
+learns anything, so they rank alike and the older head goes: it is LRU, victim for victim
+(tested).
 
-Cost: ARC's lists (:class:`~tiering.policies._order.RecencyOrder` partners sharing pins), a
-dict probe per key of each noted request and a set of its keys, an ordered dict of tails; per
-victim one key taken ahead from its list and ranked (two logarithms and an exponential).
+Cost: three :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
+per key of each noted request and a set of its keys, an ordered dict of tails; per victim one
+key taken ahead from its list and ranked (two logarithms), the class tables computed again
+only when the counts change.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
 from tiering.policies._checks import (
@@ -66,10 +73,13 @@ from tiering.policies._checks import (
     check_touch_keys,
     protected_set,
 )
-from tiering.policies._two_lists import TwoListPolicy
+from tiering.policies._lists import ListsPolicy
 from tiering.policies._two_lists import stamped_keys as _stamped
 
-__all__ = ["ChainPolicy", "ChainClassStats"]
+__all__ = ["ChainClassStats", "ChainPolicy"]
+
+_CLASSES = 3
+_BINS = 64  # half-octaves: delays up to 2**32 ticks
 
 
 class ChainClassStats(NamedTuple):
@@ -77,15 +87,22 @@ class ChainClassStats(NamedTuple):
 
     requests: float  #: requests whose new blocks went to this class
     continued: float  #: of those, continued by a later request
-    delay_ticks: float  #: the continuations' delays, summed, in clock ticks
+    delay_bins: tuple[float, ...]  #: the continuations' delays: bin b holds 2**(b/2)-1 ticks on
 
 
-class ChainPolicy(TwoListPolicy):
-    """Two classes, fresh (T1) and continued or reused (T2); the victim is the head least
+def delay_bin(delay_ticks: int) -> int:
+    """The histogram bin of a delay: half-octaves of ``delay_ticks + 1``."""
+    return min(_BINS - 1, int(2 * math.log2(delay_ticks + 1)))
+
+
+class ChainPolicy(ListsPolicy):
+    """Three classes by how often a prompt was continued; the victim is the class head least
     likely to be continued soon. See the module docstring."""
 
     name = "chain"
 
+    #: The keys at a request's end remembered as its tails.
+    _TAIL_KEYS: ClassVar[int] = 2
     #: Tails remembered, in capacities.
     _TAIL_CAPACITIES: ClassVar[int] = 4
     #: Weight, in requests, of the pooled estimate each class's estimate starts from.
@@ -94,24 +111,24 @@ class ChainPolicy(TwoListPolicy):
     _HALVING_CAPACITIES: ClassVar[int] = 10
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+        super().__init__(capacity, _CLASSES)
         self._tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key: class, time
-        self._requests = [0.0, 0.0]
-        self._continued = [0.0, 0.0]
-        self._delay_ticks = [0.0, 0.0]
+        self._requests = [0.0] * _CLASSES
+        self._continued = [0.0] * _CLASSES
+        self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
+        self._tables: list[tuple[float, list[float]]] | None = None  # per class: q, F's knots
         self._stored_since_halving = 0
-        self._request_class = 0  # of the request last noted, for its stores
+        self._request_class = 0  # of the request last noted, for its stores and uses
         self._request_keys: frozenset[bytes] = frozenset()
-        self._request_last: bytes | None = None
 
     # -- read-only views (tests, debugging) ---------------------------------------------------
 
     @property
-    def class_stats(self) -> tuple[ChainClassStats, ChainClassStats]:
-        """What was learned of class 0 (fresh) and class 1 (continued)."""
-        return (
-            ChainClassStats(self._requests[0], self._continued[0], self._delay_ticks[0]),
-            ChainClassStats(self._requests[1], self._continued[1], self._delay_ticks[1]),
+    def class_stats(self) -> tuple[ChainClassStats, ...]:
+        """What was learned of each class, 0 to 2."""
+        return tuple(
+            ChainClassStats(self._requests[c], self._continued[c], tuple(self._delays[c]))
+            for c in range(_CLASSES)
         )
 
     @property
@@ -119,76 +136,114 @@ class ChainPolicy(TwoListPolicy):
         """The remembered tails, the oldest first."""
         return tuple(self._tails)
 
-    # -- EvictionPolicy -----------------------------------------------------------------------
-
-    def __iter__(self) -> Iterator[bytes]:
-        # The order successive evict(1) calls take keys in, with every key evictable: nothing
-        # learned changes while evicting, so each list's ranks are fixed.
-        rank0, rank1 = self._rankers()
-        t1 = sorted(_stamped(self._t1), key=lambda entry: entry[1])
-        t2 = sorted(_stamped(self._t2), key=lambda entry: entry[1])
-        i = j = 0
-        while i < len(t1) or j < len(t2):
-            if i < len(t1) and (j == len(t2) or rank0(t1[i][1]) <= rank1(t2[j][1])):
-                yield t1[i][0]
-                i += 1
-            else:
-                yield t2[j][0]
-                j += 1
+    # -- requests -----------------------------------------------------------------------------
 
     def note_request(self, keys: Sequence[bytes]) -> None:
-        """Learn from a request's keys (prefix order) and class the blocks it will store."""
+        """Learn from a request's keys (prefix order), before its stores: class it, remember
+        its tails and class the blocks it will store and use."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys, "note_request")
         if not keys:
             return
-        self._request_class = self._classify(keys)
+        lists = self._lists
+        request_class, continued = self._classify(keys)
+        self._remember_tails(
+            keys,
+            request_class,
+            lambda key: key == continued or not any(key in order for order in lists),
+        )
+        self._request_class = request_class
         self._request_keys = frozenset(keys)
-        self._request_last = keys[-1]
 
     def note_finished_request(self, keys: Sequence[bytes]) -> None:
-        """:meth:`note_request` once the request has stored its blocks: a continuation's are
-        moved to T2 now (a touch: T1's held keys of the request are its own new blocks), and
-        its last block, if it stored it, is remembered as a tail."""
+        """:meth:`note_request` once the request has stored its blocks: its blocks are moved up
+        to its class now (a use: they were stored in class 0 and used in class 1), and its tails
+        are those it stored (in class 0) or continued, or holds no longer."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys, "note_finished_request")
         if not keys:
             return
-        last = keys[-1]
-        # Its last block in T1 is one it stored (a block held before and read again is in T2:
-        # a touch moved it), and only a stored last block starts a tail: a request that ends
-        # inside a prefix others hold (a shared first block) continues nothing of its own.
-        stored_last = last in self._t1
-        request_class = self._classify(keys)
+        lists = self._lists
+        request_class, continued = self._classify(keys)
+        self._remember_tails(  # not a block it used: one it stored is in class 0, or gone
+            keys,
+            request_class,
+            lambda key: key == continued or not any(key in order for order in lists[1:]),
+        )
         if request_class:
-            self._t1.touch_all_promoting(keys, self._t2)
-        if stored_last:
-            self._remember_tail(last, request_class)
+            self._sync_clocks()
+            lists[request_class].gather_all(keys, lists[:request_class])
 
-    def _classify(self, keys: Sequence[bytes]) -> int:
-        """The class of a request (1: it continues a remembered tail), learning from it."""
+    def _classify(self, keys: Sequence[bytes]) -> tuple[int, bytes | None]:
+        """The class of a request and the tail it continues (the deepest), learning from it."""
         tails = self._tails
         found: tuple[int, int] | None = None
-        found_key = b""
-        for key in keys:  # the deepest tail the request holds
+        found_key: bytes | None = None
+        for key in keys:
             entry = tails.get(key)
             if entry is not None:
                 found, found_key = entry, key
-        last = keys[-1]
-        now = self._now()
         request_class = 0
         if found is not None:
+            assert found_key is not None
             continued_class, at = found
-            request_class = 1
+            request_class = min(_CLASSES - 1, continued_class + 1)
             self._continued[continued_class] += 1
-            self._delay_ticks[continued_class] += now - at
-            if found_key != last:
-                del tails[found_key]  # continued once from this turn
-            else:  # read again whole: still its tail, now as a continued request's
-                tails[last] = (1, now)
-                tails.move_to_end(last)
+            self._delays[continued_class][delay_bin(self._now() - at)] += 1
+            del tails[found_key]  # continued once from this turn
         self._requests[request_class] += 1
-        return request_class
+        self._tables = None
+        return request_class, found_key
+
+    def _remember_tails(
+        self, keys: Sequence[bytes], request_class: int, is_own: Callable[[bytes], bool]
+    ) -> None:
+        """Remember the last keys of a request that may be its tails (``is_own``)."""
+        tails = self._tails
+        now = self._now()
+        for key in keys[-self._TAIL_KEYS :]:
+            if is_own(key):
+                tails[key] = (request_class, now)
+                tails.move_to_end(key)
+        while len(tails) > self._TAIL_CAPACITIES * max(self.capacity, 1):
+            tails.popitem(last=False)
+
+    # -- EvictionPolicy -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[bytes]:
+        # The order successive evict(1) calls take keys in, with every key evictable: nothing
+        # learned changes while evicting, so each key's rank is fixed.
+        tables, now = self._class_tables(), self._now()
+        lists = [sorted(_stamped(order), key=lambda entry: entry[1]) for order in self._lists]
+        heads = [0] * _CLASSES
+        while True:
+            best = -1
+            best_rank = 0.0
+            for c in range(_CLASSES):
+                if heads[c] < len(lists[c]):
+                    rank = _rank(tables[c], now - lists[c][heads[c]][1], self.capacity)
+                    if best < 0 or rank < best_rank:
+                        best, best_rank = c, rank
+            if best < 0:
+                return
+            yield lists[best][heads[best]][0]
+            heads[best] += 1
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A use: a held block moves up to class 1, or to the noted request's class if it is
+        for that request and higher, as that class's most recent (a pinned one, still being
+        written, stays); ``keys[0]`` ends most recent. Absent keys are ignored."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            check_touch_keys(keys)
+        if not keys:
+            return
+        lists = self._lists
+        self._sync_clocks()
+        target = max(1, self._request_class) if keys[0] in self._request_keys else 1
+        lists[target].gather_all(keys, lists[:target])
+        for order in lists[target + 1 :]:
+            order.sync_clock(lists[target])
+            order.touch_all(keys)
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
         if type(key) is not bytes:
@@ -201,20 +256,19 @@ class ChainPolicy(TwoListPolicy):
         if not keys:
             return
         in_request = keys[0] in self._request_keys
-        request_class = self._request_class if in_request else 0
-        t1, t2 = self._t1, self._t2
-        t1.sync_clock(t2)
-        if not (t2 if request_class else t1).add_all(keys, evictable):
+        self._sync_clocks()
+        order = self._lists[self._request_class if in_request else 0]
+        # A request's blocks, deepest oldest: it goes before the blocks it needs.
+        if not order.add_all(keys[::-1] if in_request else keys, evictable):
             raise KeyError("insert_new: a key was held already or listed twice")
-        last = self._request_last
-        if in_request and last is not None and last in keys:  # the request's deepest block
-            self._remember_tail(last, request_class)
         self._stored_since_halving += len(keys)
         if self._stored_since_halving >= self._HALVING_CAPACITIES * max(self.capacity, 1):
             self._stored_since_halving = 0
-            for counts in (self._requests, self._continued, self._delay_ticks):
-                counts[0] /= 2
-                counts[1] /= 2
+            for c in range(_CLASSES):
+                self._requests[c] /= 2
+                self._continued[c] /= 2
+                self._delays[c] = [count / 2 for count in self._delays[c]]
+            self._tables = None
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
@@ -222,111 +276,118 @@ class ChainPolicy(TwoListPolicy):
         guard = protected if type(protected) is set else protected_set(protected)
         if n == 0:
             return []
-        t1, t2 = self._t1, self._t2
-        if n > t1.evictable_count:  # of T1 and T2 together (partners)
+        orders = self._lists
+        if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
-        rank0, rank1 = self._rankers()
+        tables, now, horizon = self._class_tables(), self._now(), self.capacity
         taken: list[bytes] = []
-        # The lower-ranked of the two lists' next victims (first evictable, unprotected keys),
-        # one at a time: each list's is taken ahead (its stamp, hence its rank, exact), and the
-        # one not chosen at the end is put back in its place. Once a list has nothing left,
-        # the rest come from the other, oldest first, in one take.
-        orders = (t1, t2)
-        ranks = (rank0, rank1)
-        pending: list[tuple[bytes, int] | None] = [None, None]
-        ranked = [0.0, 0.0]
+        # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
+        # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
+        # not chosen at the end are put back in their places. Once one list alone has keys
+        # left, the rest come from it, oldest first, in one take.
+        pending: list[tuple[bytes, int] | None] = [None] * _CLASSES
+        ranked = [0.0] * _CLASSES
         try:
-            for side in (0, 1):
-                ahead = pending[side] = orders[side].take_one(guard)
-                if ahead is not None:
-                    ranked[side] = ranks[side](ahead[1])
+            for c in range(_CLASSES):
+                if orders[c].size:
+                    ahead = pending[c] = orders[c].take_one(guard)
+                    if ahead is not None:
+                        ranked[c] = _rank(tables[c], now - ahead[1], horizon)
             while len(taken) < n:
-                first, second = pending
-                if first is None or second is None:
-                    side = 1 if first is None else 0
-                    ahead = pending[side]
-                    if ahead is None:
-                        break
-                    taken.append(ahead[0])
-                    pending[side] = None
+                live = [c for c in range(_CLASSES) if pending[c] is not None]
+                if not live:
+                    break
+                side = min(live, key=lambda c: (ranked[c], c))
+                ahead = pending[side]
+                assert ahead is not None
+                taken.append(ahead[0])
+                pending[side] = None
+                if len(live) == 1:
                     taken += orders[side].take(n - len(taken), guard)
                     break
-                side = 0 if ranked[0] <= ranked[1] else 1
-                taken.append((first if side == 0 else second)[0])
-                ahead = pending[side] = orders[side].take_one(guard)
-                if ahead is not None:
-                    ranked[side] = ranks[side](ahead[1])
+                if len(taken) < n:
+                    ahead = pending[side] = orders[side].take_one(guard)
+                    if ahead is not None:
+                        ranked[side] = _rank(tables[side], now - ahead[1], horizon)
             for order, held_back in zip(orders, pending, strict=True):
                 if held_back is not None:
                     order.put_back_last()
         except BaseException:
-            t1.end_search(undo=True)
-            t2.end_search(undo=True)
+            for order in orders:
+                order.end_search(undo=True)
             raise
         found_all = len(taken) == n
-        t1.end_search(undo=not found_all)
-        t2.end_search(undo=not found_all)
+        for order in orders:
+            order.end_search(undo=not found_all)
         return taken if found_all else None
 
     def clear(self) -> None:
         super().clear()
         self._tails.clear()
-        self._requests = [0.0, 0.0]
-        self._continued = [0.0, 0.0]
-        self._delay_ticks = [0.0, 0.0]
+        self._requests = [0.0] * _CLASSES
+        self._continued = [0.0] * _CLASSES
+        self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
+        self._tables = None
         self._stored_since_halving = 0
         self._request_class = 0
         self._request_keys = frozenset()
-        self._request_last = None
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _sync_clocks(self) -> None:
+        lists = self._lists
+        clock = max(order._clock for order in lists)
+        for order in lists:
+            order._clock = clock
+
     def _now(self) -> int:
-        t1, t2 = self._t1, self._t2
-        t1.sync_clock(t2)
-        return t1._clock
+        return max(order._clock for order in self._lists)
 
-    def _remember_tail(self, key: bytes, request_class: int) -> None:
-        tails = self._tails
-        tails[key] = (request_class, self._now())
-        tails.move_to_end(key)
-        while len(tails) > self._TAIL_CAPACITIES * max(self.capacity, 1):
-            tails.popitem(last=False)
-
-    def _rankers(self) -> tuple[_Rank, _Rank]:
-        """Per class, the log-probability of being continued within ``capacity`` ticks of a
-        block last stamped at a given time, now (see the module docstring)."""
-        requests, continued, delays = self._requests, self._continued, self._delay_ticks
-        all_requests = requests[0] + requests[1]
-        all_continued = continued[0] + continued[1]
+    def _class_tables(self) -> list[tuple[float, list[float]]]:
+        """Per class, ``q`` and the knots of ``F`` (``F`` at bin edges), from the counts and the
+        pooled prior (see the module docstring); kept until the counts change."""
+        if self._tables is not None:
+            return self._tables
+        requests, continued, delays = self._requests, self._continued, self._delays
+        all_requests, all_continued = sum(requests), sum(continued)
         pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
-        pooled_delay = (delays[0] + delays[1]) / all_continued if all_continued > 0 else None
+        pooled = [sum(delays[c][b] for c in range(_CLASSES)) for b in range(_BINS)]
+        pooled_total = sum(pooled)
         prior = self._PRIOR_REQUESTS
-        horizon = float(max(self.capacity, 1))
-        now = self._now()
-        ranks = []
-        for c in (0, 1):
+        if pooled_total > 0:
+            prior_bins = [prior * count / pooled_total for count in pooled]
+        else:  # nothing learned yet: delays of about a capacity
+            prior_bins = [0.0] * _BINS
+            prior_bins[delay_bin(max(self.capacity, 1))] = prior
+        tables = []
+        for c in range(_CLASSES):
             share = (continued[c] + prior * pooled_share) / (requests[c] + prior)
             share = min(max(share, 1e-3), 1 - 1e-3)
-            mean_delay = horizon if pooled_delay is None else pooled_delay
-            delay = (delays[c] + prior * mean_delay) / (continued[c] + prior)
-            ranks.append(_Rank(now, share, max(delay, 1.0), horizon))
-        return ranks[0], ranks[1]
+            weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
+            total = sum(weights)
+            knots = [0.0]
+            for weight in weights:
+                knots.append(knots[-1] + weight / total)
+            tables.append((share, knots))
+        self._tables = tables
+        return tables
 
 
-class _Rank:
-    """log P(continued within ``horizon`` ticks | a block stamped at ``stamp``, its class)."""
+def _cdf(knots: list[float], delay_ticks: float) -> float:
+    """``F(delay_ticks)``: linear between the knots in half-octaves of ``delay_ticks + 1``."""
+    x = 2 * math.log2(delay_ticks + 1)
+    b = int(x)
+    if b >= _BINS:
+        return 1.0
+    return knots[b] + (knots[b + 1] - knots[b]) * (x - b)
 
-    __slots__ = ("_base", "_delay", "_now", "_share")
 
-    def __init__(self, now: int, share: float, delay: float, horizon: float) -> None:
-        self._now = now
-        self._share = share
-        self._delay = delay
-        # log(q (1 - e^(-H/tau))): constant for the class
-        self._base = math.log(share) + math.log(-math.expm1(-horizon / delay))
-
-    def __call__(self, stamp: int) -> float:
-        exponent = -(self._now - stamp) / self._delay  # log s
-        share = self._share
-        return self._base + exponent - math.log1p(share * (math.exp(exponent) - 1.0))
+def _rank(table: tuple[float, list[float]], age_ticks: int, horizon_ticks: int) -> float:
+    """P(continued within ``horizon_ticks`` | not by ``age_ticks``), for a class's table."""
+    share, knots = table
+    reached = _cdf(knots, age_ticks)
+    return (
+        share
+        * (_cdf(knots, age_ticks + horizon_ticks) - reached)
+        / max(1e-12, 1.0 - share * reached)
+    )
