@@ -35,98 +35,134 @@ def k(i: int) -> bytes:
 
 
 class Reference:
-    """The docstring's rule, plainly: class 0 / class 1 ordered dicts of key -> stamp."""
+    """The docstring's rule, plainly: three ordered dicts of key -> stamp, tails, counts."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.lists: tuple[OrderedDict[bytes, int], OrderedDict[bytes, int]] = (
-            OrderedDict(),
-            OrderedDict(),
-        )
+        self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(3)]
         self.clock = -1  # the last tick given
         self.tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self.requests = [0.0, 0.0]
-        self.continued = [0.0, 0.0]
-        self.delays = [0.0, 0.0]
+        self.requests = [0.0] * 3
+        self.continued = [0.0] * 3
+        self.delays = [[0.0] * 64 for _ in range(3)]
         self.stored = 0
-        self.request: tuple[int, set[bytes], bytes] | None = None
+        self.request: tuple[int, set[bytes]] | None = None
+        self.ranks: list[list[float]] | None = None
+        self.since = 0  # requests noted since the ranks were computed
+
+    def class_of(self, key: bytes) -> int | None:
+        return next((c for c in range(3) if key in self.lists[c]), None)
 
     def held(self, key: bytes) -> bool:
-        return key in self.lists[0] or key in self.lists[1]
+        return self.class_of(key) is not None
 
     def note_request(self, keys: Sequence[bytes]) -> None:
-        deepest = None
-        for i, key in enumerate(keys):
-            if key in self.tails:
-                deepest = i
+        found = next((key for key in reversed(keys) if key in self.tails), None)
         cls = 0
-        if deepest is not None:
-            key = keys[deepest]
-            old_cls, at = self.tails[key]
-            cls = 1
+        if found is not None:
+            old_cls, at = self.tails.pop(found)
+            cls = min(2, old_cls + 1)
             self.continued[old_cls] += 1
-            self.delays[old_cls] += self.clock - at
-            if deepest == len(keys) - 1:
-                self.tails[key] = (1, self.clock)
-                self.tails.move_to_end(key)
-            else:
-                del self.tails[key]
+            self.delays[old_cls][int(2 * math.log2(self.clock - at + 1))] += 1
         self.requests[cls] += 1
-        self.request = (cls, set(keys), keys[-1])
+        self.since += 1
+        for key in keys[-2:]:
+            if key == found or not self.held(key):
+                self.tails[key] = (cls, self.clock)
+                self.tails.move_to_end(key)
+        while len(self.tails) > 4 * self.capacity:
+            self.tails.popitem(last=False)
+        self.request = (cls, set(keys))
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        for key in reversed(keys):
-            for lst in self.lists:
-                if key in lst:
-                    del lst[key]
-                    self.clock += 1
-                    self.lists[1][key] = self.clock
-                    break
+        if not keys:
+            return
+        request = self.request
+        target = 1
+        if request is not None and keys[0] in request[1]:
+            target = max(1, request[0])
+        for key in reversed(keys):  # up to the target class, keys[0] last
+            cls = self.class_of(key)
+            if cls is not None and cls <= target:
+                del self.lists[cls][key]
+                self.clock += 1
+                self.lists[target][key] = self.clock
+        for key in reversed(keys):  # then the keys of a higher class, in their class
+            cls = self.class_of(key)
+            if cls is not None and cls > target:
+                del self.lists[cls][key]
+                self.clock += 1
+                self.lists[cls][key] = self.clock
 
     def insert_new(self, keys: Sequence[bytes]) -> None:
         request = self.request
         in_request = request is not None and keys[0] in request[1]
         cls = request[0] if request is not None and in_request else 0
-        for key in keys:  # insert_many's order: the last most recent
+        for key in reversed(keys) if in_request else keys:
             self.clock += 1
             self.lists[cls][key] = self.clock
-        if request is not None and in_request and request[2] in keys:
-            self.tails[request[2]] = (cls, self.clock)
-            self.tails.move_to_end(request[2])
-            while len(self.tails) > 4 * self.capacity:
-                self.tails.popitem(last=False)
         self.stored += len(keys)
         if self.stored >= 10 * self.capacity:
             self.stored = 0
-            for counts in (self.requests, self.continued, self.delays):
-                counts[0] /= 2
-                counts[1] /= 2
+            for c in range(3):
+                self.requests[c] /= 2
+                self.continued[c] /= 2
+                self.delays[c] = [count / 2 for count in self.delays[c]]
+
+    def tables(self) -> list[list[float]]:
+        """Per class, ranks at ages 2**(j/2) - 1, each the least of those at younger ages;
+        computed when first needed and again after 16 more requests."""
+        if self.ranks is not None and self.since < 16:
+            return self.ranks
+        self.since = 0
+        pooled_share = sum(self.continued) / sum(self.requests) if sum(self.requests) else 0.5
+        pooled = [sum(self.delays[c][b] for c in range(3)) for b in range(64)]
+        if sum(pooled):
+            prior = [4 * count / sum(pooled) for count in pooled]
+        else:
+            prior = [0.0] * 64
+            prior[int(2 * math.log2(self.capacity + 1))] = 4
+        self.ranks = []
+        for cls in range(3):
+            share = (self.continued[cls] + 4 * pooled_share) / (self.requests[cls] + 4)
+            share = min(max(share, 1e-3), 1 - 1e-3)
+            weights = [count + extra for count, extra in zip(self.delays[cls], prior, strict=True)]
+            knots = [0.0]
+            for weight in weights:
+                knots.append(knots[-1] + weight / sum(weights))
+
+            def cdf(t: float, knots: list[float] = knots) -> float:
+                x = 2 * math.log2(t + 1)
+                b = int(x)
+                return 1.0 if b >= 64 else knots[b] + (knots[b + 1] - knots[b]) * (x - b)
+
+            ranks: list[float] = []
+            for j in range(64):
+                age = 2 ** (j / 2) - 1
+                chance = share * (cdf(age + self.capacity) - knots[j])
+                chance /= max(1e-12, 1 - share * knots[j])
+                ranks.append(min([chance, *ranks[-1:]]))
+            self.ranks.append(ranks)
+        return self.ranks
 
     def rank(self, cls: int, stamp: int) -> float:
-        all_requests = sum(self.requests)
-        all_continued = sum(self.continued)
-        pooled_share = all_continued / all_requests if all_requests else 0.5
-        pooled_delay = sum(self.delays) / all_continued if all_continued else self.capacity
-        share = (self.continued[cls] + 4 * pooled_share) / (self.requests[cls] + 4)
-        share = min(max(share, 1e-3), 1 - 1e-3)
-        delay = max((self.delays[cls] + 4 * pooled_delay) / (self.continued[cls] + 4), 1.0)
-        s = math.exp(-(self.clock - stamp) / delay)
-        chance = share * s * (1 - math.exp(-self.capacity / delay)) / (1 - share + share * s)
-        return math.log(chance) if chance > 0 else -math.inf
+        ranks = self.tables()[cls]
+        x = 2 * math.log2(self.clock - stamp + 1)
+        j = int(x)
+        return ranks[-1] if j >= 63 else ranks[j] + (ranks[j + 1] - ranks[j]) * (x - j)
 
     def evict(self, n: int, protected: set[bytes]) -> list[bytes]:
         taken: list[bytes] = []
         for _ in range(n):
             heads = [next((k for k in lst if k not in protected), None) for lst in self.lists]
-            if heads[0] is None and heads[1] is None:
+            ranked = [
+                (self.rank(c, self.lists[c][key]), self.lists[c][key], c)
+                for c, key in enumerate(heads)
+                if key
+            ]
+            if not ranked:
                 break
-            if heads[1] is None or (
-                heads[0] is not None
-                and self.rank(0, self.lists[0][heads[0]]) <= self.rank(1, self.lists[1][heads[1]])
-            ):
-                cls = 0
-            else:
-                cls = 1
+            cls = min(ranked)[2]
             key = heads[cls]
             assert key is not None
             del self.lists[cls][key]
@@ -134,72 +170,98 @@ class Reference:
         return taken
 
 
+def _lists(policy: ChainPolicy) -> tuple[tuple[bytes, ...], ...]:
+    return tuple(policy.list_keys(c) for c in range(3))
+
+
+def _stats(requests: int, continued: int, **delays: int) -> ChainClassStats:
+    bins = [0.0] * 64
+    for name, count in delays.items():
+        bins[int(name[1:])] = count
+    return ChainClassStats(requests, continued, tuple(bins))
+
+
 # -- behaviour, call by call ----------------------------------------------------------------
 
 
-def test_a_continuation_files_its_new_blocks_with_reused_ones_and_learns_the_delay() -> None:
+def test_a_continuation_moves_up_a_class_and_learns_the_delay() -> None:
     policy = ChainPolicy(100)
     first = [k(0), k(1), k(2)]
-    policy.note_request(first)
-    policy.insert_new(first)  # ticks 0-2: its tail k(2) at tick 2
-    assert (policy.t1_keys, policy.t2_keys, policy.tail_keys) == (tuple(first), (), (k(2),))
+    policy.note_request(first)  # at tick -1: its last two keys are its tails
+    policy.insert_new(first)  # ticks 0-2, the deepest oldest
+    assert _lists(policy) == ((k(2), k(1), k(0)), (), ())
+    assert policy.tail_keys == (k(1), k(2))
     other = [k(10), k(11)]
     policy.note_request(other)
     policy.insert_new(other)  # ticks 3-4
     turn = [*first, k(3), k(4)]  # the next turn: the conversation so far, then new blocks
-    policy.note_request(turn)  # at tick 4: continues k(2), 2 ticks later
+    policy.note_request(turn)  # at tick 4: continues k(2), 5 ticks later (bin 5)
     policy.touch(first)
     policy.insert_new([k(3), k(4)])
-    assert policy.t1_keys == (k(10), k(11))
-    assert set(policy.t2_keys) == {k(0), k(1), k(2), k(3), k(4)}
-    assert policy.tail_keys == (k(11), k(4))  # k(2) was continued: forgotten
-    assert policy.class_stats == (ChainClassStats(2, 1, 2), ChainClassStats(1, 0, 0))
+    assert _lists(policy) == ((k(11), k(10)), (k(2), k(1), k(0), k(4), k(3)), ())
+    assert policy.tail_keys == (k(1), k(10), k(11), k(3), k(4))  # k(2) continued: forgotten
+    assert policy.class_stats == (_stats(2, 1, b5=1), _stats(1, 0), _stats(0, 0))
+    third = [*turn, k(5)]  # continues class 1: class 2, and so on (at most 2)
+    policy.note_request(third)
+    policy.touch(turn)
+    policy.insert_new([k(5)])
+    assert _lists(policy)[2] == (k(4), k(3), k(2), k(1), k(0), k(5))
+    policy.note_request([*third, k(6)])
+    assert policy.class_stats[2].requests == 2
+    assert policy.class_stats[1].continued == policy.class_stats[2].continued == 1
 
 
-def test_a_prompt_read_again_whole_keeps_its_tail() -> None:
-    policy = ChainPolicy(10)
-    prompt = [k(0), k(1)]
-    policy.note_request(prompt)
-    policy.insert_new(prompt)
-    policy.note_request(prompt)
-    policy.touch(prompt)
-    assert policy.tail_keys == (k(1),)
-    assert policy.class_stats == (ChainClassStats(1, 1, 0), ChainClassStats(1, 0, 0))
-    assert policy.t2_keys == (k(1), k(0))  # reused: the head most recent
+def test_a_document_asked_about_again_continues_at_its_last_block() -> None:
+    """A question that fills a block of its own hides the document's last block: the
+    second-to-last key is a tail too."""
+    policy = ChainPolicy(100)
+    document = [k(0), k(1), k(2)]
+    policy.note_request([*document, k(50)])
+    policy.insert_new([*document, k(50)])
+    assert policy.tail_keys == (k(2), k(50))
+    policy.note_request([*document, k(60)])  # continues k(2); k(60) is new, k(2) its own again
+    assert policy.tail_keys == (k(50), k(2), k(60))
+    assert policy.class_stats[1].requests == 1
+
+
+def test_a_shared_prefix_held_before_is_nobodys_tail() -> None:
+    policy = ChainPolicy(100)
+    policy.note_request([k(0), k(1), k(2)])  # a system prompt k(0), then a message
+    policy.insert_new([k(0), k(1), k(2)])
+    policy.note_request([k(0), k(3)])  # k(0) is held and continues nothing: not a tail
+    assert policy.tail_keys == (k(1), k(2), k(3))
+    assert policy.class_stats[0].requests == 2
 
 
 def test_a_request_told_at_its_end_moves_its_blocks_when_it_continued() -> None:
     """vLLM's order: stores first, the request whole at its end."""
     policy = ChainPolicy(100)
     first = [k(0), k(1)]
-    policy.insert_new(first)
-    policy.note_finished_request(first)  # fresh: its blocks stay in T1, its tail remembered
-    assert (policy.t1_keys, policy.t2_keys, policy.tail_keys) == (tuple(first), (), (k(1),))
+    policy.insert_new(first)  # no request noted: class 0, in the order given
+    policy.note_finished_request(first)  # fresh: its blocks stay, its tails remembered
+    assert (_lists(policy), policy.tail_keys) == (((k(0), k(1)), (), ()), (k(0), k(1)))
     turn = [*first, k(2), k(3)]
     policy.insert_new([k(2), k(3)])
-    policy.note_finished_request(turn)  # continues k(1): its new blocks move to T2
-    assert policy.t1_keys == ()
-    assert set(policy.t2_keys) == set(turn)
-    assert policy.tail_keys == (k(3),)
-    assert policy.class_stats == (ChainClassStats(1, 1, 2), ChainClassStats(1, 0, 0))
-    policy.note_finished_request([k(0)])  # ends inside a prefix held before: starts no tail
-    assert policy.tail_keys == (k(3),)
+    policy.note_finished_request(turn)  # continues k(1): its blocks move to class 1
+    assert _lists(policy) == ((), (k(3), k(2), k(1), k(0)), ())
+    assert policy.tail_keys == (k(0), k(2), k(3))
+    assert policy.class_stats == (_stats(1, 1, b3=1), _stats(1, 0), _stats(0, 0))
+    policy.note_finished_request([k(0), k(1)])  # continues the first request's tail k(0);
+    assert policy.tail_keys == (k(2), k(3), k(0))  # k(1), a block it used, is no tail of its
 
 
-def test_stores_of_no_noted_request_are_fresh() -> None:
+def test_stores_of_no_noted_request_are_fresh_in_the_order_given() -> None:
     policy = ChainPolicy(10)
     policy.note_request([k(0), k(1)])
-    policy.insert_new([k(5)])  # not the noted request's
+    policy.insert_new([k(5), k(6)])  # not the noted request's
     policy.insert_new([k(0), k(1)])
-    assert policy.t1_keys == (k(5), k(0), k(1))
-    assert policy.tail_keys == (k(1),)
+    assert _lists(policy) == ((k(5), k(6), k(1), k(0)), (), ())
 
 
 def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
-    # A conversation continued every few requests (class 1, continued 2 times of 3, after 3
-    # ticks) among one-off prompts never continued (class 0: 1 of 16, the conversation's
-    # first request). Emptied down to 8 blocks, it keeps the conversation's first blocks
-    # (100, 101) and takes one-offs newer than them (9, 10); LRU takes the conversation.
+    # A conversation continued every few requests among one-off prompts never continued:
+    # emptied down to a few blocks, it keeps the conversation's first block and takes a
+    # one-off newer than it; LRU takes the whole conversation.
     policy, ref, lru = ChainPolicy(50), Reference(50), LRUPolicy(50)
     one_off = 0
 
@@ -225,11 +287,18 @@ def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
         conversation = request
         one_offs(3)
     one_offs(3)
-    assert policy.class_stats == (ChainClassStats(16, 1, 3), ChainClassStats(3, 2, 6))
     victims = policy.evict(15)
     assert victims is not None
     assert victims == ref.evict(15, set())
-    assert [int.from_bytes(v, "big") for v in victims] == [*range(9), 105, 104, 103, 9, 102, 10]
+    assert [int.from_bytes(v, "big") for v in victims] == [
+        *range(9),
+        105,  # the conversation's deepest blocks first: useless without those before them
+        104,
+        103,
+        102,
+        9,  # a one-off newer than the conversation's first blocks goes before them
+        101,
+    ]
     assert [int.from_bytes(v, "big") for v in lru.evict(15) or []] == [
         *range(9),
         105,
@@ -244,11 +313,11 @@ def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
 def test_protected_and_pinned_heads_are_passed_over() -> None:
     policy = ChainPolicy(10)
     policy.note_request([k(0), k(1), k(2)])
-    policy.insert_new([k(0), k(1), k(2)])
-    policy.set_evictable(k(0), False)
-    assert policy.evict(1, protected={k(1)}) == [k(2)]
-    assert policy.evict(2) is None  # k(0) pinned: one evictable key left, nothing changed
-    assert list(policy) == [k(0), k(1)]
+    policy.insert_new([k(0), k(1), k(2)])  # the deepest oldest: k(2), k(1), k(0)
+    policy.set_evictable(k(2), False)
+    assert policy.evict(1, protected={k(1)}) == [k(0)]
+    assert policy.evict(2) is None  # k(2) pinned: one evictable key left, nothing changed
+    assert list(policy) == [k(2), k(1)]
 
 
 def test_tails_are_bounded_and_counts_halve() -> None:
@@ -259,8 +328,7 @@ def test_tails_are_bounded_and_counts_halve() -> None:
         if len(policy) > 2:
             assert policy.evict(1) is not None
     assert policy.tail_keys == tuple(k(i) for i in range(4, 12))
-    # 20 stored blocks (10 x capacity) halved the counts once, at the 20th: 12 - 20/2 ...
-    assert policy.class_stats[0].requests == 12  # 12 stored: not yet
+    assert policy.class_stats[0].requests == 12  # 12 stored: not yet halved
     for i in range(12, 20):
         policy.note_request([k(i)])
         policy.insert_new([k(i)])
@@ -272,16 +340,21 @@ def test_a_key_for_a_request_is_a_typed_error() -> None:
     policy = ChainPolicy(10)
     with pytest.raises(InvalidKeyError, match=r"note_request\(\) takes a sequence of keys"):
         policy.note_request(k(0))  # type: ignore[arg-type]
-    assert policy.class_stats == (ChainClassStats(0, 0, 0), ChainClassStats(0, 0, 0))
+    with pytest.raises(InvalidKeyError, match=r"note_finished_request\(\) takes a sequence"):
+        policy.note_finished_request(k(0))  # type: ignore[arg-type]
+    assert policy.class_stats == (_stats(0, 0),) * 3
 
 
 def test_clear_forgets_what_was_learned() -> None:
     policy = ChainPolicy(10)
     policy.note_request([k(0)])
     policy.insert_new([k(0)])
+    policy.note_request([k(0), k(1)])
     policy.clear()
     assert (len(policy), policy.tail_keys) == (0, ())
-    assert policy.class_stats == (ChainClassStats(0, 0, 0), ChainClassStats(0, 0, 0))
+    assert policy.class_stats == (_stats(0, 0),) * 3
+    policy.insert_new([k(1), k(0)])  # no request noted any more: the order given
+    assert _lists(policy) == ((k(1), k(0)), (), ())
 
 
 # -- lockstep with the reference -------------------------------------------------------------
@@ -322,15 +395,14 @@ def test_victims_and_lists_match_the_reference(
         if missing:
             policy.insert_new(missing)
             ref.insert_new(missing)
-        assert policy.t1_keys == tuple(ref.lists[0])
-        assert policy.t2_keys == tuple(ref.lists[1])
+        assert _lists(policy) == tuple(tuple(lst) for lst in ref.lists)
         assert policy.tail_keys == tuple(ref.tails)
     assert list(policy)[: len(policy)] == _reference_order(ref)
 
 
 def _reference_order(ref: Reference) -> list[bytes]:
     order = []
-    while ref.lists[0] or ref.lists[1]:
+    while any(ref.lists):
         order += ref.evict(1, set())
     return order
 
@@ -355,14 +427,14 @@ def test_the_managers_pass_a_request_on_to_the_primary_policy(tmp_path: Path) ->
     manager.complete_store(out.keys_to_store)
     policy = manager.policy
     assert isinstance(policy, ChainPolicy)
-    assert policy.tail_keys == (keys[-1],)
+    assert policy.tail_keys == tuple(keys[-2:])
     assert policy.class_stats[0].requests == 1
     more = [*keys, make_offload_key((9).to_bytes(32, "big"), 0)]
     out = manager.prepare_store(more)
     assert out is not None
     manager.complete_store(out.keys_to_store)
     manager.note_request(more, ended=True)  # at its end: it continued the first request
-    assert policy.class_stats[0].continued == 1 and more[-1] in policy.t2_keys
+    assert policy.class_stats[0].continued == 1 and more[-1] in policy.list_keys(1)
     with pytest.raises(InvalidArgumentError):
         manager.note_request(keys, "req-1")  # req_context is keyword-only
     with pytest.raises(InvalidKeyError):
@@ -429,8 +501,8 @@ def test_chain_in_a_tiering_manager_and_in_the_study_agree() -> None:
     capacity=st.integers(2, 8),
 )
 def test_told_no_requests_it_is_lru(requests: list[list[int]], capacity: int) -> None:
-    """Under a caller that never calls ``note_request`` (vLLM's drop-in) both classes learn
-    nothing alike, and the older head goes: LRU's victims, call for call."""
+    """Under a caller that never calls ``note_request`` the classes learn nothing, so they
+    rank alike, and the older head goes: LRU's victims, call for call."""
     chain, lru = ChainPolicy(capacity), LRUPolicy(capacity)
     for request in requests:
         keys = list(dict.fromkeys(k(i) for i in request))
@@ -488,4 +560,4 @@ def test_notes_in_any_order_keep_what_is_held_and_pinned(ops: list[tuple[str, li
 
 
 def _evictable(policy: ChainPolicy, key: bytes) -> bool:
-    return policy._t1.is_evictable(key) and policy._t2.is_evictable(key)
+    return all(order.is_evictable(key) for order in policy._lists)

@@ -471,10 +471,11 @@ def test_chain_learns_each_request_when_it_finishes(
     driver.store(turn, b)
     policy = adapter(driver).manager.primary.policy
     assert isinstance(policy, ChainPolicy)
-    assert set(b) <= set(policy.t1_keys)  # stored before the request is known whole
+    assert set(b) <= set(policy.list_keys(0))  # stored before the request is known whole
     driver.finish_request(turn)
     assert policy.class_stats[0].continued == 1
-    assert set(policy.t2_keys) == {*a, *b} and policy.tail_keys == (b[-1],)
+    assert set(policy.list_keys(1)) == {*a, *b}
+    assert policy.tail_keys == (a[0], *b)  # a[-1] was continued; b's blocks it stored
 
 
 def test_completions_given_as_sets_apply_in_prefix_order(

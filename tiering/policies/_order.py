@@ -17,9 +17,9 @@ parked twice for one pin.
 
 Partners. ARC's two lists (chain's three) share one ``_pinned_in_place`` dict
 (:meth:`share_pins_with`): a caller that knows a key is held and evictable in one of them pins
-it with one dict insertion (:meth:`pin_all_in_place`), without looking up which list holds it. Each list's victim search
-and touches meet only its own keys, so a shared mark means the same as a list's own; parking
-moves each marked key out of whichever list holds it.
+it with one dict insertion (:meth:`pin_all_in_place`), without looking up which list holds it.
+Each list's victim search and touches meet only its own keys, so a shared mark means the same
+as a list's own; parking moves each marked key out of whichever list holds it.
 
 Unpinning a parked key puts it back at the tail of ``_main`` with its stamp, or *releases* it:
 its true place is then kept in ``_rel`` or ``_heap`` (see

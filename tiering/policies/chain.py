@@ -41,8 +41,12 @@ request):
   touched.
 - **Victims.** Each class gives up its oldest block first; between the three oldest, the
   victim is the one least likely to be continued within the next ``capacity`` ticks given its
-  age ``a``: ``q (F(a + capacity) - F(a)) / (1 - q F(a))``; a tie goes to the lower class.
-  Pinned and protected blocks are passed over, as in every built-in.
+  age ``a``: ``q (F(a + capacity) - F(a)) / (1 - q F(a))``, taken at the ages ``2**(j/2) - 1``
+  and linear between them, each made the least of it and those at younger ages (a block never
+  ranks above a younger one of its class: classes that learned alike rank by age alone). A tie
+  goes to the older block, then the lower class. The ranks are computed from the counts when
+  first needed and again once ``_TABLE_REQUESTS`` more requests were noted. Pinned and
+  protected blocks are passed over, as in every built-in.
 
 Where it comes from and what it gives: the chain-class rule of the project's third session,
 with delay histograms instead of exponential delays (think times are log-normal: a block that
@@ -56,8 +60,8 @@ learns anything, so they rank alike and the older head goes: it is LRU, victim f
 
 Cost: three :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
 per key of each noted request and a set of its keys, an ordered dict of tails; per victim one
-key taken ahead from its list and ranked (two logarithms), the class tables computed again
-only when the counts change.
+key taken ahead from its list and ranked (a logarithm); the ranks computed again (three
+classes x 64 ages) once every ``_TABLE_REQUESTS`` requests.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class ChainPolicy(ListsPolicy):
     _PRIOR_REQUESTS: ClassVar[float] = 4.0
     #: The counts halve after this many capacities of stored blocks.
     _HALVING_CAPACITIES: ClassVar[int] = 10
+    #: The ranks are computed again from the counts once this many requests were noted.
+    _TABLE_REQUESTS: ClassVar[int] = 16
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, _CLASSES)
@@ -116,7 +122,8 @@ class ChainPolicy(ListsPolicy):
         self._requests = [0.0] * _CLASSES
         self._continued = [0.0] * _CLASSES
         self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
-        self._tables: list[tuple[float, list[float]]] | None = None  # per class: q, F's knots
+        self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
+        self._requests_since_tables = 0
         self._stored_since_halving = 0
         self._request_class = 0  # of the request last noted, for its stores and uses
         self._request_keys: frozenset[bytes] = frozenset()
@@ -192,7 +199,7 @@ class ChainPolicy(ListsPolicy):
             self._delays[continued_class][delay_bin(self._now() - at)] += 1
             del tails[found_key]  # continued once from this turn
         self._requests[request_class] += 1
-        self._tables = None
+        self._requests_since_tables += 1
         return request_class, found_key
 
     def _remember_tails(
@@ -218,10 +225,11 @@ class ChainPolicy(ListsPolicy):
         heads = [0] * _CLASSES
         while True:
             best = -1
-            best_rank = 0.0
+            best_rank = (0.0, 0)
             for c in range(_CLASSES):
                 if heads[c] < len(lists[c]):
-                    rank = _rank(tables[c], now - lists[c][heads[c]][1], self.capacity)
+                    stamp = lists[c][heads[c]][1]
+                    rank = (_rank(tables[c], now - stamp), stamp)
                     if best < 0 or rank < best_rank:
                         best, best_rank = c, rank
             if best < 0:
@@ -268,7 +276,6 @@ class ChainPolicy(ListsPolicy):
                 self._requests[c] /= 2
                 self._continued[c] /= 2
                 self._delays[c] = [count / 2 for count in self._delays[c]]
-            self._tables = None
 
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
@@ -279,7 +286,7 @@ class ChainPolicy(ListsPolicy):
         orders = self._lists
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
-        tables, now, horizon = self._class_tables(), self._now(), self.capacity
+        tables, now = self._class_tables(), self._now()
         taken: list[bytes] = []
         # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
         # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
@@ -287,17 +294,18 @@ class ChainPolicy(ListsPolicy):
         # left, the rest come from it, oldest first, in one take.
         pending: list[tuple[bytes, int] | None] = [None] * _CLASSES
         ranked = [0.0] * _CLASSES
+        stamps = [0] * _CLASSES
         try:
             for c in range(_CLASSES):
                 if orders[c].size:
                     ahead = pending[c] = orders[c].take_one(guard)
                     if ahead is not None:
-                        ranked[c] = _rank(tables[c], now - ahead[1], horizon)
+                        ranked[c], stamps[c] = _rank(tables[c], now - ahead[1]), ahead[1]
             while len(taken) < n:
                 live = [c for c in range(_CLASSES) if pending[c] is not None]
                 if not live:
                     break
-                side = min(live, key=lambda c: (ranked[c], c))
+                side = min(live, key=lambda c: (ranked[c], stamps[c], c))
                 ahead = pending[side]
                 assert ahead is not None
                 taken.append(ahead[0])
@@ -308,7 +316,8 @@ class ChainPolicy(ListsPolicy):
                 if len(taken) < n:
                     ahead = pending[side] = orders[side].take_one(guard)
                     if ahead is not None:
-                        ranked[side] = _rank(tables[side], now - ahead[1], horizon)
+                        ranked[side] = _rank(tables[side], now - ahead[1])
+                        stamps[side] = ahead[1]
             for order, held_back in zip(orders, pending, strict=True):
                 if held_back is not None:
                     order.put_back_last()
@@ -328,6 +337,7 @@ class ChainPolicy(ListsPolicy):
         self._continued = [0.0] * _CLASSES
         self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
         self._tables = None
+        self._requests_since_tables = 0
         self._stored_since_halving = 0
         self._request_class = 0
         self._request_keys = frozenset()
@@ -343,11 +353,13 @@ class ChainPolicy(ListsPolicy):
     def _now(self) -> int:
         return max(order._clock for order in self._lists)
 
-    def _class_tables(self) -> list[tuple[float, list[float]]]:
-        """Per class, ``q`` and the knots of ``F`` (``F`` at bin edges), from the counts and the
-        pooled prior (see the module docstring); kept until the counts change."""
-        if self._tables is not None:
+    def _class_tables(self) -> list[list[float]]:
+        """Per class, its rank at ages ``2**(j/2) - 1`` (``j`` < ``_BINS``), made non-increasing
+        (see :func:`_rank_knots`); computed from the counts when first needed and again once
+        ``_TABLE_REQUESTS`` more requests were noted."""
+        if self._tables is not None and self._requests_since_tables < self._TABLE_REQUESTS:
             return self._tables
+        self._requests_since_tables = 0
         requests, continued, delays = self._requests, self._continued, self._delays
         all_requests, all_continued = sum(requests), sum(continued)
         pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
@@ -368,7 +380,7 @@ class ChainPolicy(ListsPolicy):
             knots = [0.0]
             for weight in weights:
                 knots.append(knots[-1] + weight / total)
-            tables.append((share, knots))
+            tables.append(_rank_knots(share, knots, max(self.capacity, 1)))
         self._tables = tables
         return tables
 
@@ -382,12 +394,25 @@ def _cdf(knots: list[float], delay_ticks: float) -> float:
     return knots[b] + (knots[b + 1] - knots[b]) * (x - b)
 
 
-def _rank(table: tuple[float, list[float]], age_ticks: int, horizon_ticks: int) -> float:
-    """P(continued within ``horizon_ticks`` | not by ``age_ticks``), for a class's table."""
-    share, knots = table
-    reached = _cdf(knots, age_ticks)
-    return (
-        share
-        * (_cdf(knots, age_ticks + horizon_ticks) - reached)
-        / max(1e-12, 1.0 - share * reached)
-    )
+def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[float]:
+    """P(continued within ``horizon_ticks`` | not by age ``a``) at ``a = 2**(j/2) - 1``, each
+    the least of it and those before: a block never ranks above a younger one of its class
+    (so classes that learned alike rank by age alone, as LRU)."""
+    ranks: list[float] = []
+    lowest = 1.0
+    for j in range(_BINS):
+        reached = knots[j]  # F at 2**(j/2) - 1
+        age = 2 ** (j / 2) - 1
+        chance = share * (_cdf(knots, age + horizon_ticks) - reached)
+        lowest = min(lowest, chance / max(1e-12, 1.0 - share * reached))
+        ranks.append(lowest)
+    return ranks
+
+
+def _rank(ranks: list[float], age_ticks: int) -> float:
+    """A class's rank at ``age_ticks``: linear between its knots in half-octaves."""
+    x = 2 * math.log2(age_ticks + 1)
+    j = int(x)
+    if j >= _BINS - 1:
+        return ranks[-1]
+    return ranks[j] + (ranks[j + 1] - ranks[j]) * (x - j)
