@@ -111,8 +111,8 @@ class Reference:
 
     def tables(self) -> list[list[float]]:
         """Per class, ranks at ages 2**(j/2) - 1, each the least of those at younger ages;
-        computed when first needed and again after 16 more requests."""
-        if self.ranks is not None and self.since < 16:
+        computed when first needed and again after 64 more requests."""
+        if self.ranks is not None and self.since < 64:
             return self.ranks
         self.since = 0
         pooled_share = sum(self.continued) / sum(self.requests) if sum(self.requests) else 0.5

@@ -270,6 +270,20 @@ class RecencyOrder(StampedOrder):
 
     def take_one(self, protected: Container[bytes]) -> tuple[bytes, int] | None:
         """:meth:`take` of one key, with its stamp (``None`` if no key is left)."""
+        main = self._main
+        if not self._heap and not self._rel and not self._pinned_in_place:
+            # Nothing released or pinned in place: _main's head is the oldest key (a victim
+            # search per key of a policy that compares lists, as chain's: kept lean).
+            while main:
+                key, stamp = main.popitem(False)
+                if key in protected:
+                    self._aside.append((stamp, key))
+                    continue
+                self.size -= 1
+                self._taken_keys.append(key)
+                self._taken_stamps.append(stamp)
+                return key, stamp
+            return None
         got = self.take(1, protected)
         return (got[0], self._taken_stamps[-1]) if got else None
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
 from tiering.policies._checks import (
@@ -78,6 +78,7 @@ from tiering.policies._checks import (
     protected_set,
 )
 from tiering.policies._lists import ListsPolicy
+from tiering.policies._order import RecencyOrder
 from tiering.policies._two_lists import stamped_keys as _stamped
 
 __all__ = ["ChainClassStats", "ChainPolicy"]
@@ -114,7 +115,7 @@ class ChainPolicy(ListsPolicy):
     #: The counts halve after this many capacities of stored blocks.
     _HALVING_CAPACITIES: ClassVar[int] = 10
     #: The ranks are computed again from the counts once this many requests were noted.
-    _TABLE_REQUESTS: ClassVar[int] = 16
+    _TABLE_REQUESTS: ClassVar[int] = 64
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, _CLASSES)
@@ -152,13 +153,8 @@ class ChainPolicy(ListsPolicy):
             check_touch_keys(keys, "note_request")
         if not keys:
             return
-        lists = self._lists
         request_class, continued = self._classify(keys)
-        self._remember_tails(
-            keys,
-            request_class,
-            lambda key: key == continued or not any(key in order for order in lists),
-        )
+        self._remember_tails(keys, request_class, continued, self._lists)  # not held before
         self._request_class = request_class
         self._request_keys = frozenset(keys)
 
@@ -172,11 +168,8 @@ class ChainPolicy(ListsPolicy):
             return
         lists = self._lists
         request_class, continued = self._classify(keys)
-        self._remember_tails(  # not a block it used: one it stored is in class 0, or gone
-            keys,
-            request_class,
-            lambda key: key == continued or not any(key in order for order in lists[1:]),
-        )
+        # Not a block it used: one it stored is in class 0 (or gone).
+        self._remember_tails(keys, request_class, continued, lists[1:])
         if request_class:
             self._sync_clocks()
             lists[request_class].gather_all(keys, lists[:request_class])
@@ -186,10 +179,11 @@ class ChainPolicy(ListsPolicy):
         tails = self._tails
         found: tuple[int, int] | None = None
         found_key: bytes | None = None
-        for key in keys:
-            entry = tails.get(key)
-            if entry is not None:
-                found, found_key = entry, key
+        for key in reversed(keys):  # the deepest first
+            found = tails.get(key)
+            if found is not None:
+                found_key = key
+                break
         request_class = 0
         if found is not None:
             assert found_key is not None
@@ -203,13 +197,18 @@ class ChainPolicy(ListsPolicy):
         return request_class, found_key
 
     def _remember_tails(
-        self, keys: Sequence[bytes], request_class: int, is_own: Callable[[bytes], bool]
+        self,
+        keys: Sequence[bytes],
+        request_class: int,
+        continued: bytes | None,
+        used_in: Sequence[RecencyOrder],
     ) -> None:
-        """Remember the last keys of a request that may be its tails (``is_own``)."""
+        """Remember the last keys of a request as its tails: the one it continued, and those
+        no list of ``used_in`` holds (held there, a block others share)."""
         tails = self._tails
         now = self._now()
         for key in keys[-self._TAIL_KEYS :]:
-            if is_own(key):
+            if key == continued or not any(key in order for order in used_in):
                 tails[key] = (request_class, now)
                 tails.move_to_end(key)
         while len(tails) > self._TAIL_CAPACITIES * max(self.capacity, 1):
@@ -277,6 +276,20 @@ class ChainPolicy(ListsPolicy):
                 self._continued[c] /= 2
                 self._delays[c] = [count / 2 for count in self._delays[c]]
 
+    def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
+        if evictable and len(keys) > 1:
+            # A request's blocks were stored deepest first (stamps falling along the prefix):
+            # let go in stamp order, each goes back in its place (none released out of order,
+            # which would cost every later victim search a heap).
+            for order in self._lists:
+                first = order._parked.get(keys[0])
+                if first is not None:
+                    last = order._parked.get(keys[-1])
+                    if last is not None and last < first:
+                        keys = keys[::-1]
+                    break
+        super().set_evictable_many(keys, evictable)
+
     def evict(self, n: int, protected: Collection[bytes] = ()) -> list[bytes] | None:
         if type(n) is not int or n < 0:
             check_evict_count(n)
@@ -287,6 +300,7 @@ class ChainPolicy(ListsPolicy):
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
         tables, now = self._class_tables(), self._now()
+        log2 = math.log2
         taken: list[bytes] = []
         # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
         # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
@@ -302,22 +316,46 @@ class ChainPolicy(ListsPolicy):
                     if ahead is not None:
                         ranked[c], stamps[c] = _rank(tables[c], now - ahead[1]), ahead[1]
             while len(taken) < n:
-                live = [c for c in range(_CLASSES) if pending[c] is not None]
-                if not live:
+                side, live = -1, 0
+                for c in range(_CLASSES):
+                    if pending[c] is not None:
+                        live += 1
+                        if side < 0 or (ranked[c], stamps[c]) < (ranked[side], stamps[side]):
+                            side = c
+                if side < 0:
                     break
-                side = min(live, key=lambda c: (ranked[c], stamps[c], c))
                 ahead = pending[side]
                 assert ahead is not None
-                taken.append(ahead[0])
                 pending[side] = None
-                if len(live) == 1:
+                if live == 1:
+                    taken.append(ahead[0])
                     taken += orders[side].take(n - len(taken), guard)
                     break
-                if len(taken) < n:
-                    ahead = pending[side] = orders[side].take_one(guard)
-                    if ahead is not None:
-                        ranked[side] = _rank(tables[side], now - ahead[1])
-                        stamps[side] = ahead[1]
+                # A run from the winning list while its next key ranks below the best of the
+                # others (whose next keys stay as they are).
+                bound_rank, bound_stamp = min(
+                    (ranked[c], stamps[c]) for c in range(_CLASSES) if pending[c] is not None
+                )
+                order, table = orders[side], tables[side]
+                last_knot = len(table) - 1
+                while True:
+                    taken.append(ahead[0])
+                    if len(taken) == n:
+                        break
+                    ahead = order.take_one(guard)
+                    if ahead is None:
+                        break
+                    stamp = ahead[1]
+                    x = 2 * log2(now - stamp + 1)  # _rank, inline: a call per victim costs
+                    j = int(x)
+                    rank = (
+                        table[-1]
+                        if j >= last_knot
+                        else table[j] + (table[j + 1] - table[j]) * (x - j)
+                    )
+                    if rank > bound_rank or (rank == bound_rank and stamp >= bound_stamp):
+                        pending[side], ranked[side], stamps[side] = ahead, rank, stamp
+                        break
             for order, held_back in zip(orders, pending, strict=True):
                 if held_back is not None:
                     order.put_back_last()
@@ -345,13 +383,14 @@ class ChainPolicy(ListsPolicy):
     # -- internals ----------------------------------------------------------------------------
 
     def _sync_clocks(self) -> None:
-        lists = self._lists
-        clock = max(order._clock for order in lists)
-        for order in lists:
-            order._clock = clock
+        first, second, third = self._lists
+        first._clock = second._clock = third._clock = max(
+            first._clock, second._clock, third._clock
+        )
 
     def _now(self) -> int:
-        return max(order._clock for order in self._lists)
+        first, second, third = self._lists
+        return max(first._clock, second._clock, third._clock)
 
     def _class_tables(self) -> list[list[float]]:
         """Per class, its rank at ages ``2**(j/2) - 1`` (``j`` < ``_BINS``), made non-increasing
@@ -385,26 +424,21 @@ class ChainPolicy(ListsPolicy):
         return tables
 
 
-def _cdf(knots: list[float], delay_ticks: float) -> float:
-    """``F(delay_ticks)``: linear between the knots in half-octaves of ``delay_ticks + 1``."""
-    x = 2 * math.log2(delay_ticks + 1)
-    b = int(x)
-    if b >= _BINS:
-        return 1.0
-    return knots[b] + (knots[b + 1] - knots[b]) * (x - b)
-
-
 def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[float]:
     """P(continued within ``horizon_ticks`` | not by age ``a``) at ``a = 2**(j/2) - 1``, each
     the least of it and those before: a block never ranks above a younger one of its class
     (so classes that learned alike rank by age alone, as LRU)."""
     ranks: list[float] = []
     lowest = 1.0
+    log2 = math.log2
     for j in range(_BINS):
         reached = knots[j]  # F at 2**(j/2) - 1
-        age = 2 ** (j / 2) - 1
-        chance = share * (_cdf(knots, age + horizon_ticks) - reached)
-        lowest = min(lowest, chance / max(1e-12, 1.0 - share * reached))
+        x = 2 * log2(2 ** (j / 2) - 1 + horizon_ticks + 1)  # F at age + horizon, as _rank
+        b = int(x)
+        ahead = 1.0 if b >= _BINS else knots[b] + (knots[b + 1] - knots[b]) * (x - b)
+        chance = share * (ahead - reached) / max(1e-12, 1.0 - share * reached)
+        if chance < lowest:
+            lowest = chance
         ranks.append(lowest)
     return ranks
 
