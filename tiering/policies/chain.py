@@ -384,9 +384,7 @@ class ChainPolicy(ListsPolicy):
 
     def _sync_clocks(self) -> None:
         first, second, third = self._lists
-        first._clock = second._clock = third._clock = max(
-            first._clock, second._clock, third._clock
-        )
+        first._clock = second._clock = third._clock = max(first._clock, second._clock, third._clock)
 
     def _now(self) -> int:
         first, second, third = self._lists
