@@ -71,6 +71,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
+from tiering.policies._chain_search import evict_in_place, rank_at
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
@@ -153,8 +154,9 @@ class ChainPolicy(ListsPolicy):
             check_touch_keys(keys, "note_request")
         if not keys:
             return
-        request_class, continued = self._classify(keys)
-        self._remember_tails(keys, request_class, continued, self._lists)  # not held before
+        now = self._now()
+        request_class, continued = self._classify(keys, now)
+        self._remember_tails(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
         self._request_keys = frozenset(keys)
 
@@ -167,14 +169,15 @@ class ChainPolicy(ListsPolicy):
         if not keys:
             return
         lists = self._lists
-        request_class, continued = self._classify(keys)
+        now = self._now()
+        request_class, continued = self._classify(keys, now)
         # Not a block it used: one it stored is in class 0 (or gone).
-        self._remember_tails(keys, request_class, continued, lists[1:])
+        self._remember_tails(keys, request_class, continued, lists[1:], now)
         if request_class:
             self._sync_clocks()
             lists[request_class].gather_all(keys, lists[:request_class])
 
-    def _classify(self, keys: Sequence[bytes]) -> tuple[int, bytes | None]:
+    def _classify(self, keys: Sequence[bytes], now: int) -> tuple[int, bytes | None]:
         """The class of a request and the tail it continues (the deepest), learning from it."""
         tails = self._tails
         found: tuple[int, int] | None = None
@@ -190,7 +193,7 @@ class ChainPolicy(ListsPolicy):
             continued_class, at = found
             request_class = min(_CLASSES - 1, continued_class + 1)
             self._continued[continued_class] += 1
-            self._delays[continued_class][delay_bin(self._now() - at)] += 1
+            self._delays[continued_class][delay_bin(now - at)] += 1
             del tails[found_key]  # continued once from this turn
         self._requests[request_class] += 1
         self._requests_since_tables += 1
@@ -202,16 +205,24 @@ class ChainPolicy(ListsPolicy):
         request_class: int,
         continued: bytes | None,
         used_in: Sequence[RecencyOrder],
+        now: int,
     ) -> None:
         """Remember the last keys of a request as its tails: the one it continued, and those
         no list of ``used_in`` holds (held there, a block others share)."""
         tails = self._tails
-        now = self._now()
+        entry = (request_class, now)
         for key in keys[-self._TAIL_KEYS :]:
-            if key == continued or not any(key in order for order in used_in):
-                tails[key] = (request_class, now)
-                tails.move_to_end(key)
-        while len(tails) > self._TAIL_CAPACITIES * max(self.capacity, 1):
+            if key != continued:
+                for order in used_in:
+                    if key in order._main or key in order._parked:
+                        break
+                else:
+                    tails[key] = entry
+                    tails.move_to_end(key)
+            else:
+                tails[key] = entry  # forgotten by _classify: back as the newest
+        limit = self._TAIL_CAPACITIES * max(self.capacity, 1)
+        while len(tails) > limit:
             tails.popitem(last=False)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
@@ -228,7 +239,7 @@ class ChainPolicy(ListsPolicy):
             for c in range(_CLASSES):
                 if heads[c] < len(lists[c]):
                     stamp = lists[c][heads[c]][1]
-                    rank = (_rank(tables[c], now - stamp), stamp)
+                    rank = (rank_at(tables[c], now - stamp), stamp)
                     if best < 0 or rank < best_rank:
                         best, best_rank = c, rank
             if best < 0:
@@ -282,11 +293,18 @@ class ChainPolicy(ListsPolicy):
             # let go in stamp order, each goes back in its place (none released out of order,
             # which would cost every later victim search a heap).
             for order in self._lists:
-                first = order._parked.get(keys[0])
+                parked = order._parked
+                first = parked.get(keys[0])
                 if first is not None:
-                    last = order._parked.get(keys[-1])
+                    last = parked.get(keys[-1])
                     if last is not None and last < first:
                         keys = keys[::-1]
+                    changed, rest = order.set_evictable_each(keys, True)
+                    if not rest:
+                        return  # all of one list's: the usual case
+                    _, elsewhere = order.set_evictable_each(changed, False)  # undone, then
+                    if elsewhere:  # the general way (partners' keys pinned in place: again)
+                        order.pin_all_in_place(elsewhere)
                     break
         super().set_evictable_many(keys, evictable)
 
@@ -300,6 +318,17 @@ class ChainPolicy(ListsPolicy):
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
         tables, now = self._class_tables(), self._now()
+        first, second, third = orders
+        if not (
+            first._pinned_in_place  # shared: the three lists'
+            or first._heap
+            or first._rel
+            or second._heap
+            or second._rel
+            or third._heap
+            or third._rel
+        ):
+            return evict_in_place([o._main for o in orders], n, guard, tables, now, orders)
         log2 = math.log2
         taken: list[bytes] = []
         # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
@@ -314,7 +343,7 @@ class ChainPolicy(ListsPolicy):
                 if orders[c].size:
                     ahead = pending[c] = orders[c].take_one(guard)
                     if ahead is not None:
-                        ranked[c], stamps[c] = _rank(tables[c], now - ahead[1]), ahead[1]
+                        ranked[c], stamps[c] = rank_at(tables[c], now - ahead[1]), ahead[1]
             while len(taken) < n:
                 side, live = -1, 0
                 for c in range(_CLASSES):
@@ -439,12 +468,3 @@ def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[fl
             lowest = chance
         ranks.append(lowest)
     return ranks
-
-
-def _rank(ranks: list[float], age_ticks: int) -> float:
-    """A class's rank at ``age_ticks``: linear between its knots in half-octaves."""
-    x = 2 * math.log2(age_ticks + 1)
-    j = int(x)
-    if j >= _BINS - 1:
-        return ranks[-1]
-    return ranks[j] + (ranks[j + 1] - ranks[j]) * (x - j)
