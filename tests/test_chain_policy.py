@@ -364,13 +364,18 @@ _conversations = st.lists(
 )
 
 
+class _SearchedTheGeneralWay(ChainPolicy):
+    _PLAIN_SEARCH = False  # the victim search of lists with pinned or released keys
+
+
+@pytest.mark.parametrize("policy_class", [ChainPolicy, _SearchedTheGeneralWay])
 @settings(max_examples=150, deadline=None)
 @given(steps=_conversations, capacity=st.integers(4, 12))
 def test_victims_and_lists_match_the_reference(
-    steps: list[tuple[int, int, bool]], capacity: int
+    policy_class: type[ChainPolicy], steps: list[tuple[int, int, bool]], capacity: int
 ) -> None:
-    """Conversations that go on or start over, as the study drives a policy."""
-    policy, ref = ChainPolicy(capacity), Reference(capacity)
+    """Conversations that go on or start over, as the study drives a policy; both searches."""
+    policy, ref = policy_class(capacity), Reference(capacity)
     histories: dict[int, list[bytes]] = {}
     fresh = 1000
     for conversation, new_blocks, restart in steps:

@@ -117,6 +117,9 @@ class ChainPolicy(ListsPolicy):
     _HALVING_CAPACITIES: ClassVar[int] = 10
     #: The ranks are computed again from the counts once this many requests were noted.
     _TABLE_REQUESTS: ClassVar[int] = 64
+    #: Search plain lists (nothing pinned in place or released) by popping their heads
+    #: (:mod:`~tiering.policies._chain_search`); tests turn it off to check both searches.
+    _PLAIN_SEARCH: ClassVar[bool] = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, _CLASSES)
@@ -319,7 +322,7 @@ class ChainPolicy(ListsPolicy):
             return None
         tables, now = self._class_tables(), self._now()
         first, second, third = orders
-        if not (
+        if self._PLAIN_SEARCH and not (
             first._pinned_in_place  # shared: the three lists'
             or first._heap
             or first._rel
