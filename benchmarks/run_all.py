@@ -88,11 +88,11 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     (
         "bench_policy_variants",
-        "Hybrid's floor on traffic shapes no tuning saw",
+        "The adaptive policies' floor on traffic shapes no tuning saw",
         "The generator moved one parameter at a time far from its calibrated shape (how much "
         "conversations differ, document popularity and reuse, tenants, think times, mixes), "
-        "seeds 0 and 1, 1-20 % of the unique blocks: hybrid against max(LRU, ARC) (target: "
-        "never 0.2 points under).",
+        "seeds 0 and 1, 1-20 % of the unique blocks: hybrid and chain against max(LRU, ARC) "
+        "(target: never 0.2 points under).",
         (),
     ),
     (

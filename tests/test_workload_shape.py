@@ -153,9 +153,12 @@ def test_bench_policy_variants_judges_the_floor_on_each_changed_trace(
     ]
     for row in rows:
         floor = max(float(row["lru"]), float(row["arc"])) - 0.002
-        assert row["floor_ok"] == (float(row["hybrid"]) >= floor)
-    kept = sum(1 for r in rows if r["floor_ok"])
-    assert f"hybrid within 0.2 points of max(LRU, ARC) at {kept} of 25" in capsys.readouterr().out
+        assert row["hybrid_ok"] == (float(row["hybrid"]) >= floor)
+        assert row["chain_ok"] == (float(row["chain"]) >= floor)
+    out = capsys.readouterr().out
+    for policy in ("hybrid", "chain"):
+        kept = sum(1 for r in rows if r[f"{policy}_ok"])
+        assert f"{policy} within 0.2 points of max(LRU, ARC) at {kept} of 25" in out
     with pytest.raises(SystemExit):
         bench["main"](["--variants", "tenants3,nope"])
 
