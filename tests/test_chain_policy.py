@@ -49,6 +49,8 @@ class Reference:
         self.request: tuple[int, set[bytes]] | None = None
         self.ranks: list[list[float]] | None = None
         self.since = 0  # requests noted since the ranks were computed
+        self.window_start = -1  # the clock at the last halving
+        self.ticks_per_store = 1.0
 
     def class_of(self, key: bytes) -> int | None:
         return next((c for c in range(3) if key in self.lists[c]), None)
@@ -103,6 +105,8 @@ class Reference:
             self.lists[cls][key] = self.clock
         self.stored += len(keys)
         if self.stored >= 10 * self.capacity:
+            self.ticks_per_store = (self.clock - self.window_start) / self.stored
+            self.window_start = self.clock
             self.stored = 0
             for c in range(3):
                 self.requests[c] /= 2
@@ -115,6 +119,10 @@ class Reference:
         if self.ranks is not None and self.since < 64:
             return self.ranks
         self.since = 0
+        ratio = self.ticks_per_store
+        if self.stored >= self.capacity:
+            ratio = (self.clock - self.window_start) / self.stored
+        horizon = max(1, round(self.capacity * ratio))
         pooled_share = sum(self.continued) / sum(self.requests) if sum(self.requests) else 0.5
         pooled = [sum(self.delays[c][b] for c in range(3)) for b in range(64)]
         if sum(pooled):
@@ -139,7 +147,7 @@ class Reference:
             ranks: list[float] = []
             for j in range(64):
                 age = 2 ** (j / 2) - 1
-                chance = share * (cdf(age + self.capacity) - knots[j])
+                chance = share * (cdf(age + horizon) - knots[j])
                 chance /= max(1e-12, 1 - share * knots[j])
                 ranks.append(min([chance, *ranks[-1:]]))
             self.ranks.append(ranks)

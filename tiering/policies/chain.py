@@ -40,8 +40,10 @@ request):
   ``_PRIOR_REQUESTS`` requests. Time is the policy's clock, one tick per key stored or
   touched.
 - **Victims.** Each class gives up its oldest block first; between the three oldest, the
-  victim is the one least likely to be continued within the next ``capacity`` ticks given its
-  age ``a``: ``q (F(a + capacity) - F(a)) / (1 - q F(a))``, taken at the ages ``2**(j/2) - 1``
+  victim is the one least likely to be continued within the next ``H`` ticks given its age
+  ``a``: ``q (F(a + H) - F(a)) / (1 - q F(a))``, where ``H`` is the ticks in which a capacity
+  of blocks is stored (measured over the halving window: touches tick the clock too, and
+  vLLM's drop-in ranks a request's blocks again at its end), taken at the ages ``2**(j/2) - 1``
   and linear between them, each made the least of it and those at younger ages (a block never
   ranks above a younger one of its class: classes that learned alike rank by age alone). A tie
   goes to the older block, then the lower class. The ranks are computed from the counts when
@@ -130,6 +132,8 @@ class ChainPolicy(ListsPolicy):
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
         self._requests_since_tables = 0
         self._stored_since_halving = 0
+        self._window_start = -1  # the clock when the counts last halved
+        self._ticks_per_store = 1.0  # clock ticks per block stored, in the last window
         self._request_class = 0  # of the request last noted, for its stores and uses
         self._request_keys: frozenset[bytes] = frozenset()
 
@@ -284,6 +288,9 @@ class ChainPolicy(ListsPolicy):
             raise KeyError("insert_new: a key was held already or listed twice")
         self._stored_since_halving += len(keys)
         if self._stored_since_halving >= self._HALVING_CAPACITIES * max(self.capacity, 1):
+            now = self._now()
+            self._ticks_per_store = (now - self._window_start) / self._stored_since_halving
+            self._window_start = now
             self._stored_since_halving = 0
             for c in range(_CLASSES):
                 self._requests[c] /= 2
@@ -409,6 +416,8 @@ class ChainPolicy(ListsPolicy):
         self._tables = None
         self._requests_since_tables = 0
         self._stored_since_halving = 0
+        self._window_start = -1
+        self._ticks_per_store = 1.0
         self._request_class = 0
         self._request_keys = frozenset()
 
@@ -421,6 +430,17 @@ class ChainPolicy(ListsPolicy):
     def _now(self) -> int:
         first, second, third = self._lists
         return max(first._clock, second._clock, third._clock)
+
+    def _horizon_ticks(self) -> int:
+        """The ticks in which a capacity of blocks is stored: a block's time to come back before
+        it would be evicted. Touches tick the clock too, as many as the traffic's hits (and
+        vLLM's drop-in ranks a request's blocks again at its end), so the ticks per stored
+        block are measured: over the current window once it holds a capacity, else the last."""
+        capacity = max(self.capacity, 1)
+        ratio = self._ticks_per_store
+        if self._stored_since_halving >= capacity:
+            ratio = (self._now() - self._window_start) / self._stored_since_halving
+        return max(1, round(capacity * ratio))
 
     def _class_tables(self) -> list[list[float]]:
         """Per class, its rank at ages ``2**(j/2) - 1`` (``j`` < ``_BINS``), made non-increasing
@@ -449,7 +469,7 @@ class ChainPolicy(ListsPolicy):
             knots = [0.0]
             for weight in weights:
                 knots.append(knots[-1] + weight / total)
-            tables.append(_rank_knots(share, knots, max(self.capacity, 1)))
+            tables.append(_rank_knots(share, knots, self._horizon_ticks()))
         self._tables = tables
         return tables
 
