@@ -53,16 +53,17 @@ request):
 Where it comes from and what it gives: the chain-class rule of the project's third session,
 with delay histograms instead of exponential delays (think times are log-normal: a block that
 has waited a minute is likelier to be continued soon than a fresh one) and tails that a
-question after a document does not hide. In the study on the generated traces it is within
-0.2 points of the better of LRU and ARC at every size tried and closes 18-23 % of the LRU ->
-Belady gap at 5 % of the conversation and document traces (docs/benchmarks.md). Told no
-requests (a manager that does not know them) every new block goes to class 0 and no class
-learns anything, so they rank alike and the older head goes: it is LRU, victim for victim
-(tested).
+question after a document does not hide. In the study on the generated traces (seeds 0-15, 1-20
+% of the unique blocks) it is within 0.2 points of the better of LRU and ARC at every point, and
+at 5 % closes 20-28 % of the LRU -> Belady gap on conversations, 16-23 % on documents, 8-17 % on
+the production mix (docs/benchmarks.md). Told no requests (a manager that does not know them)
+every new block goes to class 0 and no class learns anything, so they rank alike and the older
+head goes: it is LRU, victim for victim (tested).
 
 Cost: three :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
-per key of each noted request and a set of its keys, an ordered dict of tails; per victim one
-key taken ahead from its list and ranked (a logarithm); the ranks computed again (three
+per key of each noted request and a set of its keys, an ordered dict of tails; victims popped
+from the lists' heads in runs (:mod:`~tiering.policies._chain_search`), a logarithm for those
+near the point where one list's rank crosses another's; the ranks computed again (three
 classes x 64 ages) once every ``_TABLE_REQUESTS`` requests.
 """
 
