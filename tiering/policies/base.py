@@ -52,7 +52,9 @@ class EvictionPolicy(ABC):
       classes the request there); the default does nothing. A caller that does not know
       requests never calls it, and every policy must work without it;
       :meth:`note_finished_request` is its form for a caller that learns a request only when it
-      ends.
+      ends. A policy told a request may rank the blocks the request stores in its own order
+      (``chain`` ranks them deepest oldest: a block is of no use without those before it);
+      stores of no noted request keep :meth:`insert_many`'s order.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
