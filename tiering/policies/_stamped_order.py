@@ -208,7 +208,6 @@ class StampedOrder:
         last = self._last
         released = self._released
         any_released = released or self._rel  # else no key's mark needs reading
-        changed: list[StampedOrder] = []
         moved = 0
         for key in reversed(keys):
             # The orders are disjoint: the likeliest places first.
@@ -227,13 +226,14 @@ class StampedOrder:
                         in_place = source._pinned_in_place
                         if in_place and key in in_place:  # pinned: stays, as the most recent
                             source_main.move_to_end(key)
-                            if source_main[key] < 0:
-                                source._drop_place_later(key, changed)
+                            was = source_main[key]
                             stamp += 1
                             source_main[key] = source._last = stamp
+                            if was < 0:  # released: its place goes (after its new stamp)
+                                source._drop_place(key)
                             break
                         if source_main.pop(key) < 0:
-                            source._drop_place_later(key, changed)
+                            source._drop_place(key)
                         source.size -= 1
                         moved += 1
                         stamp += 1
@@ -253,16 +253,6 @@ class StampedOrder:
         if released != self._released:
             self._released = released
             self._compact_if_stale()
-        for source in changed:
-            source._compact_if_stale()
-
-    def _drop_place_later(self, key: bytes, changed: list[StampedOrder]) -> None:
-        """A released ``key`` left ``_main`` in a call that compacts once it is over: drop its
-        place in ``_rel``, or count its heap entry stale (``changed`` lists this order)."""
-        if self._rel.pop(key, None) is None:
-            self._released -= 1
-            if self not in changed:
-                changed.append(self)
 
     def discard(self, key: bytes) -> bool:
         """Remove ``key``; return whether it was present."""

@@ -52,20 +52,6 @@ class TwoListPolicy(ListsPolicy):
             check_touch_keys(keys)
         self._t1.touch_all_promoting(keys, self._t2)
 
-    def refresh(self, keys: Sequence[bytes]) -> None:
-        if isinstance(keys, (bytes, bytearray, str)):
-            check_touch_keys(keys)
-        # Each key stays in its list (a refresh is not a use), as that list's most recent.
-        self._t1.touch_all(keys)
-        self._t2.touch_all(keys)
-
-    def pin_evictable(self, keys: Sequence[bytes]) -> None:
-        self._t1.pin_all_in_place(keys)  # shared with T2: no lookup of the key's list
-
-    def remove(self, key: bytes) -> None:
-        if not self._t1.discard(key):
-            self._t2.discard(key)
-
 
 def next_victim_bound(order: RecencyOrder, pending: tuple[bytes, int] | None, done: bool) -> int:
     """The stamp of ``order``'s next victim if already taken (``pending``), else a lower bound
