@@ -399,7 +399,14 @@ class RedisClusterProcesses:
         """Reshard hash slot ``slot`` and its keys to ``target``, the steps ``redis-cli
         --cluster reshard`` takes: the slot IMPORTING on the target and MIGRATING on its
         master, its keys moved with ``MIGRATE``, then ``SETSLOT NODE`` on every running node.
-        Returns how many keys moved."""
+        Returns how many keys moved.
+
+        The cluster is first let settle (every node agreeing on each master's epoch and
+        slots), so that the target's new epoch is the greatest: a node's gossip sent before it
+        let the slot go then carries a smaller epoch and cannot take the slot back (with a
+        stale epoch it could, and a slot flips between two masters for a while). It is let
+        settle again before returning, so callers see one slot table."""
+        self.wait_settled()
         source = self.node_for_slot(slot)
         if source is target:
             raise ValueError(f"slot {slot} is served by {target.address} already")
@@ -424,7 +431,39 @@ class RedisClusterProcesses:
         for node in (target, source, *self.nodes):  # the two ends first, as redis-cli does
             if node.running:
                 node.command("CLUSTER", "SETSLOT", str(slot), "NODE", ids[target.port])
+        self.wait_settled()
         return moved
+
+    def wait_settled(self, timeout_s: float = 60.0) -> None:
+        """Wait until every running node gives the same masters, each with the same config
+        epoch (all distinct) and slots, in ``CLUSTER NODES``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            views = {self._config_view(node) for node in self.nodes if node.running}
+            if len(views) == 1:
+                (view,) = views
+                epochs = [epoch for _, epoch, _ in view]
+                if len(set(epochs)) == len(epochs):
+                    return
+            if time.monotonic() > deadline:
+                raise RedisServerError(f"the cluster in {self.directory} has not settled "
+                                       f"after {timeout_s}s: {sorted(views)}")  # fmt: skip
+            time.sleep(0.02)
+
+    @staticmethod
+    def _config_view(node: RedisServer) -> tuple[tuple[str, int, str], ...]:
+        """(id, config epoch, slots) of each master ``node`` knows, from ``CLUSTER NODES``;
+        migrations in progress (``[slot->-id]``) are left out: only the node itself lists them."""
+        raw = node.command("CLUSTER", "NODES")
+        assert isinstance(raw, bytes)
+        masters = []
+        for line in raw.decode().splitlines():
+            fields = line.split()
+            if len(fields) < 8 or "master" not in fields[2].split(","):
+                continue
+            slots = " ".join(f for f in fields[8:] if not f.startswith("["))
+            masters.append((fields[0], int(fields[6]), slots))
+        return tuple(sorted(masters))
 
     def stop(self) -> None:
         for node in self.nodes:
