@@ -25,6 +25,7 @@ from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import ChainPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
+from tiering.policies._chain_search import rank_at, sure_stamp
 from tiering.policies.chain import ChainClassStats
 from tiering.replay import ReplayOptions, run_replay
 from tiering.replay.study import simulate_cpu
@@ -574,3 +575,31 @@ def test_notes_in_any_order_keep_what_is_held_and_pinned(ops: list[tuple[str, li
 
 def _evictable(policy: ChainPolicy, key: bytes) -> bool:
     return all(order.is_evictable(key) for order in policy._lists)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    drops=st.lists(st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.3]), min_size=64, max_size=64),
+    start=st.sampled_from([1.0, 0.5, 0.25]),
+    bound_at=st.integers(0, 63),
+    bound_stamp=st.integers(0, 5000),
+    floor=st.booleans(),
+)
+def test_the_sure_stamp_never_skips_a_block_that_ranks_above_the_bound(
+    drops: list[float], start: float, bound_at: int, bound_stamp: int, floor: bool
+) -> None:
+    """Every stamp at or before ``sure_stamp`` goes before the bound: a smaller rank, or the
+    same rank and an older stamp (where the table's last ranks equal the bound, exactly)."""
+    table, rank = [], start
+    for drop in drops:
+        rank = max(0.0, rank - drop)
+        table.append(rank)
+    if floor:
+        table = [max(value, table[bound_at]) for value in table]
+    bound_rank, now = table[bound_at], 6000
+    surely = sure_stamp(table, bound_rank, bound_stamp, now)
+    for stamp in range(0, now + 1):
+        value = rank_at(table, now - stamp)
+        goes_first = value < bound_rank or (value == bound_rank and stamp < bound_stamp)
+        if stamp <= surely:
+            assert goes_first, (stamp, surely, value, bound_rank)

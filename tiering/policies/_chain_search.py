@@ -34,56 +34,74 @@ def evict_in_place(
     orders: Sequence[RecencyOrder],
 ) -> list[bytes] | None:
     """``ChainPolicy.evict`` where no list has a key pinned in place or released: each
-    ``_main`` is in stamp order, so its head is its next victim. Keys are popped from the heads;
-    those not taken (protected, or a list's next key not chosen) go back to their heads in
-    their order, and all of them if ``n`` cannot be found."""
+    ``_main`` is in stamp order, so its head is its next victim. Each list's next victim is
+    looked at where it is; the chosen list's keys are popped from its head; those popped and
+    not taken (protected, or the key that ended a run) go back to its head in their order, and
+    every popped key if ``n`` cannot be found."""
     kept: list[list[tuple[bytes, int]]] = [[], [], []]  # popped, not taken (stamp order)
     took: list[list[tuple[bytes, int]]] = [[], [], []]
     runs: list[tuple[int, int]] = []  # (list, how many): the victims' order
     pending: list[tuple[bytes, int] | None] = [None, None, None]
+    popped = [False, False, False]  # whether pending[c] was popped (else still at the head)
     ranked = [0.0, 0.0, 0.0]
-    wanted = n
     for c in range(_CLASSES):
-        main = mains[c]
-        while main:
-            entry = main.popitem(False)
-            if entry[0] in guard:
-                kept[c].append(entry)
-                continue
-            pending[c] = entry
-            ranked[c] = rank_at(tables[c], now - entry[1])
-            break
+        for entry in mains[c].items():  # looked at, not popped
+            if entry[0] not in guard:
+                pending[c] = entry
+                ranked[c] = rank_at(tables[c], now - entry[1])
+                break
+    wanted = n
     while wanted:
-        side, live = -1, 0
-        best: tuple[float, int] = (0.0, 0)
+        side, others = -1, 0
         for c in range(_CLASSES):
             ahead = pending[c]
             if ahead is not None:
-                live += 1
-                if side < 0 or (ranked[c], ahead[1]) < best:
-                    side, best = c, (ranked[c], ahead[1])
+                if side < 0:
+                    side = c
+                    continue
+                others += 1
+                low = pending[side]
+                assert low is not None
+                if (ranked[c], ahead[1]) < (ranked[side], low[1]):
+                    side = c
         if side < 0:
             break
         main, out, aside = mains[side], took[side], kept[side]
+        popitem = main.popitem
         chosen = pending[side]
         assert chosen is not None
-        out.append(chosen)
-        pending[side] = None
-        before = len(out)
-        if live == 1:  # the rest from this list, oldest first
-            while len(out) - before < wanted - 1 and main:
-                entry = main.popitem(False)
-                (aside if entry[0] in guard else out).append(entry)
-            wanted -= len(out) - before + 1
-            runs.append((side, len(out) - before + 1))
+        if popped[side]:
+            out.append(chosen)
+        else:  # pop it (and the protected keys before it)
+            while (entry := popitem(False))[0] in guard:
+                aside.append(entry)
+            out.append(entry)
+        pending[side], popped[side] = None, False
+        count = 1
+        if not others:  # the rest from this list, oldest first
+            if not guard and len(main) >= wanted - 1:  # the usual case: a plain take
+                out += [popitem(False) for _ in range(wanted - 1)]
+                count = wanted
+            else:
+                while count < wanted and main:
+                    entry = popitem(False)
+                    if entry[0] in guard:
+                        aside.append(entry)
+                    else:
+                        out.append(entry)
+                        count += 1
+            wanted -= count
+            runs.append((side, count))
             break
-        bound_rank, bound_stamp = min(
-            (ranked[c], other[1]) for c, other in enumerate(pending) if other is not None
-        )
+        bound_rank, bound_stamp = 2.0, 0
+        for c in range(_CLASSES):
+            other = pending[c]
+            if other is not None and (ranked[c], other[1]) < (bound_rank, bound_stamp):
+                bound_rank, bound_stamp = ranked[c], other[1]
         table = tables[side]
-        surely = sure_stamp(table, bound_rank, now)
-        while len(out) - before < wanted - 1 and main:  # while it ranks below the others'
-            entry = main.popitem(False)
+        surely = sure_stamp(table, bound_rank, bound_stamp, now)
+        while count < wanted and main:  # while it ranks below the others'
+            entry = popitem(False)
             if entry[0] in guard:
                 aside.append(entry)
                 continue
@@ -91,24 +109,26 @@ def evict_in_place(
             if stamp > surely:  # not surely old enough: ranked
                 value = rank_at(table, now - stamp)
                 if value > bound_rank or (value == bound_rank and stamp >= bound_stamp):
-                    pending[side], ranked[side] = entry, value
+                    pending[side], popped[side], ranked[side] = entry, True, value
                     break
             out.append(entry)
-        wanted -= len(out) - before + 1
-        runs.append((side, len(out) - before + 1))
+            count += 1
+        wanted -= count
+        runs.append((side, count))
     found_all = not wanted
     for c in range(_CLASSES):
-        main, back = mains[c], kept[c]
-        leftover = pending[c]
-        if leftover is not None:
-            back.append(leftover)  # the last popped of its list
-        if not found_all:
-            back = sorted(back + took[c], key=lambda entry: entry[1])
-        for key, stamp in reversed(back):  # back at the head, in their order
-            main[key] = stamp
-            main.move_to_end(key, last=False)
+        back = kept[c]
+        if popped[c]:
+            back.append(pending[c])  # type: ignore[arg-type]  # the last popped of its list
         if found_all:
             orders[c].size -= len(took[c])
+        else:
+            back = sorted(back + took[c], key=lambda entry: entry[1])
+        if back:
+            main = mains[c]
+            for key, stamp in reversed(back):  # back at the head, in their order
+                main[key] = stamp
+                main.move_to_end(key, last=False)
     if not found_all:
         return None
     if len(runs) == 1:
@@ -121,14 +141,26 @@ def evict_in_place(
     return victims
 
 
-def sure_stamp(table: list[float], bound_rank: float, now: int) -> int:
-    """A stamp at or before which a block of ``table``'s class surely ranks below
-    ``bound_rank`` (its rank falls with age: the age where it crosses, with a margin); ``-1``
-    where no age does. Blocks newer than it are ranked one by one."""
+def sure_stamp(table: list[float], bound_rank: float, bound_stamp: int, now: int) -> int:
+    """A stamp at or before which a block of ``table``'s class surely goes before a block
+    ranked ``bound_rank`` with stamp ``bound_stamp`` (its rank falls with age: the age where it
+    crosses, with a margin; where the class's last ranks equal ``bound_rank``, from the age
+    they do so on, the older stamp); ``-1`` where no age does. Blocks newer than it are ranked
+    one by one."""
     if table[0] < bound_rank:
         return now
-    if table[-1] >= bound_rank:
+    last = table[-1]
+    if last > bound_rank:
         return -1
+    if last == bound_rank:  # ranks equal to the bound from knot ``high`` on, exactly
+        low, high = -1, len(table) - 1
+        while high - low > 1:
+            middle = (low + high) // 2
+            if table[middle] > bound_rank:
+                low = middle
+            else:
+                high = middle
+        return min(now - math.ceil(2 ** (high / 2) - 1) - 1, bound_stamp - 1)
     low, high = 0, len(table) - 1  # table[low] >= bound_rank > table[high]: non-increasing
     while high - low > 1:
         middle = (low + high) // 2

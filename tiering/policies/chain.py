@@ -69,6 +69,8 @@ classes x 64 ages) once every ``_TABLE_REQUESTS`` requests.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
@@ -188,17 +190,10 @@ class ChainPolicy(ListsPolicy):
     def _classify(self, keys: Sequence[bytes], now: int) -> tuple[int, bytes | None]:
         """The class of a request and the tail it continues (the deepest), learning from it."""
         tails = self._tails
-        found: tuple[int, int] | None = None
-        found_key: bytes | None = None
-        for key in reversed(keys):  # the deepest first
-            found = tails.get(key)
-            if found is not None:
-                found_key = key
-                break
+        found_key = next(filter(tails.__contains__, reversed(keys)), None)  # the deepest
         request_class = 0
-        if found is not None:
-            assert found_key is not None
-            continued_class, at = found
+        if found_key is not None:
+            continued_class, at = tails[found_key]
             request_class = min(_CLASSES - 1, continued_class + 1)
             self._continued[continued_class] += 1
             self._delays[continued_class][delay_bin(now - at)] += 1
@@ -453,7 +448,7 @@ class ChainPolicy(ListsPolicy):
         requests, continued, delays = self._requests, self._continued, self._delays
         all_requests, all_continued = sum(requests), sum(continued)
         pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
-        pooled = [sum(delays[c][b] for c in range(_CLASSES)) for b in range(_BINS)]
+        pooled = [sum(counts) for counts in zip(*delays, strict=True)]
         pooled_total = sum(pooled)
         prior = self._PRIOR_REQUESTS
         if pooled_total > 0:
@@ -467,9 +462,7 @@ class ChainPolicy(ListsPolicy):
             share = min(max(share, 1e-3), 1 - 1e-3)
             weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
             total = sum(weights)
-            knots = [0.0]
-            for weight in weights:
-                knots.append(knots[-1] + weight / total)
+            knots = list(itertools.accumulate((weight / total for weight in weights), initial=0.0))
             tables.append(_rank_knots(share, knots, self._horizon_ticks()))
         self._tables = tables
         return tables
@@ -481,14 +474,26 @@ def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[fl
     (so classes that learned alike rank by age alone, as LRU)."""
     ranks: list[float] = []
     lowest = 1.0
-    log2 = math.log2
-    for j in range(_BINS):
-        reached = knots[j]  # F at 2**(j/2) - 1
-        x = 2 * log2(2 ** (j / 2) - 1 + horizon_ticks + 1)  # F at age + horizon, as _rank
-        b = int(x)
-        ahead = 1.0 if b >= _BINS else knots[b] + (knots[b + 1] - knots[b]) * (x - b)
+    points = _ahead_points(horizon_ticks)
+    for reached, (b, fraction) in zip(knots[:-1], points, strict=True):  # F at the knot
+        ahead = 1.0 if b >= _BINS else knots[b] + (knots[b + 1] - knots[b]) * fraction
         chance = share * (ahead - reached) / max(1e-12, 1.0 - share * reached)
         if chance < lowest:
             lowest = chance
         ranks.append(lowest)
     return ranks
+
+
+_KNOT_AGES = [2 ** (j / 2) - 1 for j in range(_BINS)]
+
+
+@functools.lru_cache(maxsize=16)
+def _ahead_points(horizon_ticks: int) -> tuple[tuple[int, float], ...]:
+    """Per knot, where F is read at the knot's age plus ``horizon_ticks``: the bin and the
+    fraction of it, as :func:`~tiering.policies._chain_search.rank_at` reads (the horizon
+    changes only when it is measured again, the tables every ``_TABLE_REQUESTS``)."""
+    points = []
+    for age in _KNOT_AGES:
+        x = 2 * math.log2(age + horizon_ticks + 1)
+        points.append((int(x), x - int(x)))
+    return tuple(points)
