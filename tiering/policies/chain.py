@@ -475,9 +475,10 @@ def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[fl
     ranks: list[float] = []
     lowest = 1.0
     points = _ahead_points(horizon_ticks)
+    # share <= 1 - 1e-3 and reached <= 1: the divisor is at least 1e-3.
     for reached, (b, fraction) in zip(knots[:-1], points, strict=True):  # F at the knot
         ahead = 1.0 if b >= _BINS else knots[b] + (knots[b + 1] - knots[b]) * fraction
-        chance = share * (ahead - reached) / max(1e-12, 1.0 - share * reached)
+        chance = share * (ahead - reached) / (1.0 - share * reached)
         if chance < lowest:
             lowest = chance
         ranks.append(lowest)
