@@ -15,7 +15,8 @@ then, in steady state:
   (``popitem`` + insert for a store, ``in`` + ``move_to_end`` skipped for a lookup: a dict probe),
   the least any Python LRU can spend.
 
-Keys are made in advance; one torch thread; median of repetitions.
+Keys are made in advance; one torch thread; median of repetitions, the managers measured in
+turn within each (ratios against LRU: the median of the repetitions' ratios).
 
 Usage: python benchmarks/bench_metadata.py [--quick] [--sizes 1000,10000,...]
 """
@@ -79,26 +80,6 @@ def _reuse_store_us(
     return (time.perf_counter() - t0) / ((len(batches) - 1) * BATCH) * 1e6
 
 
-def _reuse_store_reps(kind: str, policy: str, num_blocks: int, ops: int, reps: int) -> list[float]:
-    """:func:`_reuse_store_us` on a manager of its own, filled alike: the store column's state
-    (new blocks only) stays what it was without this phase."""
-    manager = _manager(kind, policy, num_blocks)
-    _fill(manager, num_blocks)
-    gc.collect()
-    gc.disable()
-    try:
-        next_key = num_blocks
-        times = []
-        for _ in range(reps):
-            times.append(_reuse_store_us(manager, next_key, ops))
-            next_key += ops + BATCH
-    finally:
-        gc.enable()
-        if isinstance(manager, TieringOffloadingManager):
-            manager.shutdown()
-    return times
-
-
 def _manager(
     kind: str, policy: str, num_blocks: int
 ) -> CPUOffloadingManager | TieringOffloadingManager:
@@ -138,60 +119,89 @@ def _reference(num_blocks: int, n: int) -> tuple[float, float]:
     return store, lookup
 
 
+_MANAGERS = (
+    ("cpu", "lru"),
+    ("cpu", "arc"),
+    ("cpu", "hybrid"),
+    ("cpu", "chain"),
+    ("tiering", "lru"),
+)
+
+
 def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
-    rows = []
+    """Every manager of ``_MANAGERS`` built and filled first, then measured in turn, rep by rep:
+    a slow moment of a busy machine falls on all of them alike, and each ratio against LRU is
+    the median of the reps' ratios. The store-with-reuse phase runs on managers of its own,
+    filled alike: the store column's state (new blocks only) stays what it was without it."""
     ref_store, ref_lookup = zip(*(_reference(num_blocks, ops) for _ in range(reps)), strict=True)
-    for kind, policy in (
-        ("cpu", "lru"),
-        ("cpu", "arc"),
-        ("cpu", "hybrid"),
-        ("cpu", "chain"),
-        ("tiering", "lru"),
-    ):
-        manager = _manager(kind, policy, num_blocks)
-        _fill(manager, num_blocks)
-        gc.collect()
-        gc.disable()
-        try:
-            stores, lookups = [], []
-            next_key = num_blocks
-            for _ in range(reps):
-                stores.append(_store_us(manager, next_key, ops))
-                next_key += ops
-                present = _keys(next_key - num_blocks, num_blocks)
-                lookups.append(_lookup_us(manager, present, ops))
-        finally:
-            gc.enable()
-        reuse_stores = _reuse_store_reps(kind, policy, num_blocks, ops, reps)
+    plain, reusing = {}, {}
+    for pair in _MANAGERS:
+        plain[pair] = _manager(*pair, num_blocks)
+        _fill(plain[pair], num_blocks)
+        reusing[pair] = _manager(*pair, num_blocks)
+        _fill(reusing[pair], num_blocks)
+    stores: dict[tuple[str, str], list[float]] = {pair: [] for pair in _MANAGERS}
+    lookups: dict[tuple[str, str], list[float]] = {pair: [] for pair in _MANAGERS}
+    reuses: dict[tuple[str, str], list[float]] = {pair: [] for pair in _MANAGERS}
+    next_key = dict.fromkeys(_MANAGERS, num_blocks)
+    next_reuse_key = dict.fromkeys(_MANAGERS, num_blocks)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for pair in _MANAGERS:
+                manager = plain[pair]
+                stores[pair].append(_store_us(manager, next_key[pair], ops))
+                next_key[pair] += ops
+                present = _keys(next_key[pair] - num_blocks, num_blocks)
+                lookups[pair].append(_lookup_us(manager, present, ops))
+                reuses[pair].append(_reuse_store_us(reusing[pair], next_reuse_key[pair], ops))
+                next_reuse_key[pair] += ops + BATCH
+    finally:
+        gc.enable()
+        for manager in (*plain.values(), *reusing.values()):
+            if isinstance(manager, TieringOffloadingManager):
+                manager.shutdown()
+    lru = ("cpu", "lru")
+
+    def against_lru(times: dict[tuple[str, str], list[float]], pair: tuple[str, str]) -> float:
+        return round(
+            statistics.median(t / ref for t, ref in zip(times[pair], times[lru], strict=True)), 2
+        )
+
+    rows: list[dict[str, object]] = []
+    for pair in _MANAGERS:
+        kind, policy = pair
         rows.append(
             {
                 "manager": kind,
                 "policy": policy,
                 "blocks": num_blocks,
-                "store_us_per_block": round(statistics.median(stores), 3),
-                "reuse_store_us_per_block": round(statistics.median(reuse_stores), 3),
-                "lookup_us": round(statistics.median(lookups), 3),
+                "store_us_per_block": round(statistics.median(stores[pair]), 3),
+                "reuse_store_us_per_block": round(statistics.median(reuses[pair]), 3),
+                "store_vs_lru": against_lru(stores, pair),
+                "reuse_store_vs_lru": against_lru(reuses, pair),
+                "lookup_us": round(statistics.median(lookups[pair]), 3),
                 "ordereddict_store_us": round(statistics.median(ref_store), 3),
                 "dict_lookup_us": round(statistics.median(ref_lookup), 3),
             }
         )
-        if isinstance(manager, TieringOffloadingManager):
-            manager.shutdown()
-        del manager
-        gc.collect()
+    del plain, reusing
+    gc.collect()
     return rows
 
 
 def _print_table(rows: list[dict[str, object]]) -> None:
     print(
-        "| manager | policy | blocks | store us/block | store with reuse us/block | lookup us | "
-        "OrderedDict store us | dict lookup us |"
+        "| manager | policy | blocks | store us/block | store with reuse us/block | "
+        "store / LRU | with reuse / LRU | lookup us | OrderedDict store us | dict lookup us |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['manager']} | {r['policy']} | {r['blocks']:,} | {r['store_us_per_block']} | "
-            f"{r['reuse_store_us_per_block']} | {r['lookup_us']} | {r['ordereddict_store_us']} | "
+            f"{r['reuse_store_us_per_block']} | {r['store_vs_lru']}x | "
+            f"{r['reuse_store_vs_lru']}x | {r['lookup_us']} | {r['ordereddict_store_us']} | "
             f"{r['dict_lookup_us']} |"
         )
     print()

@@ -193,11 +193,10 @@ class ChainPolicy(ListsPolicy):
         found_key = next(filter(tails.__contains__, reversed(keys)), None)  # the deepest
         request_class = 0
         if found_key is not None:
-            continued_class, at = tails[found_key]
-            request_class = min(_CLASSES - 1, continued_class + 1)
+            continued_class, at = tails.pop(found_key)  # continued once from this turn
+            request_class = continued_class + 1 if continued_class < _CLASSES - 1 else _CLASSES - 1
             self._continued[continued_class] += 1
             self._delays[continued_class][delay_bin(now - at)] += 1
-            del tails[found_key]  # continued once from this turn
         self._requests[request_class] += 1
         self._requests_since_tables += 1
         return request_class, found_key
@@ -259,8 +258,9 @@ class ChainPolicy(ListsPolicy):
         if not keys:
             return
         lists = self._lists
-        self._sync_clocks()
         target = max(1, self._request_class) if keys[0] in self._request_keys else 1
+        if target < _CLASSES - 1:  # (gather_all syncs the clocks of the lists it is given)
+            self._sync_clocks()
         lists[target].gather_all(keys, lists[:target])
         for order in lists[target + 1 :]:
             order.sync_clock(lists[target])
