@@ -96,6 +96,15 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "bench_gap_breakdown",
+        "Where the LRU -> Belady gap lies, by kind of request",
+        "Prefix hits at 5 % of the unique blocks of the generated production and documents "
+        "traces (seed 0), per policy and Belady's bound, split by what each request is "
+        "(a conversation's turn, an agent loop's step, a document's first ask or an ask "
+        "again), in points of the trace's blocks: where a policy could still win.",
+        (),
+    ),
+    (
         "bench_metadata",
         "Manager metadata per operation, 1e3 to 1e6 blocks",
         "Microseconds per stored block (eviction included; alone, and in requests that reuse "
