@@ -141,7 +141,8 @@ class ChainPolicy(ListsPolicy):
         self._window_start = -1  # the clock when the counts last halved
         self._ticks_per_store = 1.0  # clock ticks per block stored, in the last window
         self._request_class = 0  # of the request last noted, for its stores and uses
-        self._request_keys: frozenset[bytes] = frozenset()
+        self._request_keys: tuple[bytes, ...] = ()  # of the request last noted
+        self._request_set: frozenset[bytes] | None = None  # its keys, made when first needed
 
     # -- read-only views (tests, debugging) ---------------------------------------------------
 
@@ -171,7 +172,8 @@ class ChainPolicy(ListsPolicy):
         request_class, continued = self._classify(keys, now)
         self._remember_tails(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
-        self._request_keys = frozenset(keys)
+        self._request_keys = tuple(keys)
+        self._request_set = None
 
     def note_finished_request(self, keys: Sequence[bytes]) -> None:
         """:meth:`note_request` once the request has stored its blocks: its blocks are moved up
@@ -261,7 +263,7 @@ class ChainPolicy(ListsPolicy):
         if not keys:
             return
         lists = self._lists
-        target = max(1, self._request_class) if keys[0] in self._request_keys else 1
+        target = max(1, self._request_class) if self._in_request(keys[0], 0) else 1
         if target < _CLASSES - 1:  # (gather_all syncs the clocks of the lists it is given)
             self._sync_clocks()
         lists[target].gather_all(keys, lists[:target])
@@ -279,7 +281,7 @@ class ChainPolicy(ListsPolicy):
     def insert_new(self, keys: Sequence[bytes], evictable: bool = True) -> None:
         if not keys:
             return
-        in_request = keys[0] in self._request_keys
+        in_request = self._in_request(keys[0], -len(keys))  # its stores: its last blocks
         self._sync_clocks()
         order = self._lists[self._request_class if in_request else 0]
         # A request's blocks, deepest oldest: it goes before the blocks it needs.
@@ -418,9 +420,21 @@ class ChainPolicy(ListsPolicy):
         self._window_start = -1
         self._ticks_per_store = 1.0
         self._request_class = 0
-        self._request_keys = frozenset()
+        self._request_keys = ()
+        self._request_set = None
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _in_request(self, key: bytes, likely_at: int) -> bool:
+        """Whether ``key`` is one of the noted request's keys: at ``likely_at`` (a lookup
+        touches from its first key, a store is of its last), else in the set of them."""
+        keys = self._request_keys
+        if -len(keys) <= likely_at < len(keys) and keys[likely_at] == key:
+            return True
+        found = self._request_set
+        if found is None:
+            found = self._request_set = frozenset(keys)
+        return key in found
 
     def _sync_clocks(self) -> None:
         first, second, third = self._lists
