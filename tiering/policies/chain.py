@@ -66,7 +66,7 @@ tails; victims popped from the lists' heads in runs (:mod:`~tiering.policies._ch
 a logarithm only for those near the point where one list's rank crosses another's (past a
 class's delays, where ranks are equal, the older stamp goes without one); the ranks computed
 again (three classes x 64 ages) once every ``_TABLE_REQUESTS`` requests. Per stored block,
-1.07-1.18x LRU's metadata storing new blocks and 1.40-1.49x in requests that reuse blocks
+1.07-1.26x LRU's metadata storing new blocks and 1.35-1.54x in requests that reuse blocks
 (``benchmarks/bench_metadata.py``).
 """
 
