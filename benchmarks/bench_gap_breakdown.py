@@ -25,22 +25,11 @@ from collections.abc import Sequence
 from tiering.policies import make_policy
 from tiering.replay.belady import RequestMIN
 from tiering.replay.block_trace import BlockRequest
-from tiering.replay.study import simulate_cpu, study_trace_from_blocks
+from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
 from tiering.replay.workloads import workload_trace
 
 BLOCK_TOKENS = 512
 _SESSION = re.compile(r"([a-z]+)(\d+)-")
-
-
-def prefix_hits(flags: bytearray, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
-    """Per request, how many of its blocks from the first on were held."""
-    out, start = [], 0
-    for keys in key_lists:
-        end = start + len(keys)
-        miss = flags.find(0, start, end)
-        out.append((end if miss < 0 else miss) - start)
-        start = end
-    return out
 
 
 def request_kinds(

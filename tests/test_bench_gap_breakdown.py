@@ -3,23 +3,16 @@ request named by its session's kind and turn, exactly."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_modules import load_benchmark
 
 from tiering.replay.block_trace import BlockRequest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gap_breakdown.py"
-
 
 def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gap_breakdown", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_gap_breakdown")
 
 
 def test_prefix_hits_stop_at_each_requests_first_miss() -> None:

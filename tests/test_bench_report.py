@@ -3,20 +3,15 @@ and the hand-written notes of each section (why a target is not met, what was tr
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
-RUN_ALL = Path(__file__).resolve().parent.parent / "benchmarks" / "run_all.py"
+from bench_modules import load_benchmark
 
 
 def load_run_all() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("run_all")
 
 
 def test_a_rewrite_keeps_each_sections_notes_and_replaces_its_tables(tmp_path: Path) -> None:

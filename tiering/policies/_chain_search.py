@@ -11,9 +11,10 @@ from collections.abc import Collection, Sequence
 
 from tiering.policies._order import RecencyOrder
 
-__all__ = ["evict_in_place", "rank_at", "sure_stamp"]
+__all__ = ["CLASSES", "evict_in_place", "rank_at", "sure_stamp"]
 
-_CLASSES = 3
+#: How many classes (lists) a chain policy has.
+CLASSES = 3
 
 
 def rank_at(ranks: list[float], age_ticks: int) -> float:
@@ -44,7 +45,7 @@ def evict_in_place(
     pending: list[tuple[bytes, int] | None] = [None, None, None]
     popped = [False, False, False]  # whether pending[c] was popped (else still at the head)
     ranked = [0.0, 0.0, 0.0]
-    for c in range(_CLASSES):
+    for c in range(CLASSES):
         for entry in mains[c].items():  # looked at, not popped
             if entry[0] not in guard:
                 pending[c] = entry
@@ -53,7 +54,7 @@ def evict_in_place(
     wanted = n
     while wanted:
         side, others = -1, 0
-        for c in range(_CLASSES):
+        for c in range(CLASSES):
             ahead = pending[c]
             if ahead is not None:
                 if side < 0:
@@ -94,7 +95,7 @@ def evict_in_place(
             runs.append((side, count))
             break
         bound_rank, bound_stamp = 2.0, 0
-        for c in range(_CLASSES):
+        for c in range(CLASSES):
             other = pending[c]
             if other is not None and (ranked[c], other[1]) < (bound_rank, bound_stamp):
                 bound_rank, bound_stamp = ranked[c], other[1]
@@ -116,7 +117,7 @@ def evict_in_place(
         wanted -= count
         runs.append((side, count))
     found_all = not wanted
-    for c in range(_CLASSES):
+    for c in range(CLASSES):
         back = kept[c]
         if popped[c]:
             back.append(pending[c])  # type: ignore[arg-type]  # the last popped of its list

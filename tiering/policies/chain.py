@@ -79,6 +79,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
+from tiering.policies._chain_search import CLASSES as _CLASSES
 from tiering.policies._chain_search import evict_in_place, rank_at
 from tiering.policies._checks import (
     check_evict_count,
@@ -92,7 +93,6 @@ from tiering.policies._two_lists import stamped_keys as _stamped
 
 __all__ = ["ChainClassStats", "ChainPolicy"]
 
-_CLASSES = 3
 _BINS = 64  # half-octaves: delays up to 2**32 ticks
 
 

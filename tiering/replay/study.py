@@ -59,6 +59,7 @@ __all__ = [
     "gap_closed",
     "ids_per_block",
     "policy_study",
+    "prefix_hits",
     "run_study",
     "simulate_cpu",
     "study_trace_from_blocks",
@@ -222,7 +223,9 @@ def simulate_cpu(
     return run
 
 
-def _prefix_hits(flags: bytearray, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
+def prefix_hits(flags: bytearray, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
+    """Per request, how many of its blocks from the first on were held (``flags``: one per
+    access, the requests' accesses in order)."""
     out = []
     start = 0
     for keys in key_lists:
@@ -381,7 +384,7 @@ class _Study:
         else:
             policy = get_policy_class(name)(capacity)
             cpu = simulate_cpu(policy, key_lists, record_victims=self.record_victims)
-        prefix = _prefix_hits(cpu.flags, key_lists)
+        prefix = prefix_hits(cpu.flags, key_lists)
         saved = _tokens_saved(prefix, trace)
         prompt_tokens = self.prompt_tokens
         row: dict[str, Any] = {
@@ -437,7 +440,7 @@ def _tier_columns(
         t.admission_min_count > 0 or t.write_policy == "write_through_selective" for t in tiers
     )
     ungated = _simulate_tiers(trace, cpu, tiers, gated=False)[1] if gated else counts
-    prefix = _prefix_hits(served, trace.key_lists)
+    prefix = prefix_hits(served, trace.key_lists)
     accesses = trace.block_accesses
     columns: dict[str, Any] = {
         "prefix_hit_ratio_with_tiers": round(sum(prefix) / accesses, 4) if accesses else 0.0,
