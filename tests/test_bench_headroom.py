@@ -9,6 +9,7 @@ import pytest
 from bench_modules import load_benchmark
 
 from tiering.policies import make_policy
+from tiering.policies.base import EvictionPolicy
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
 from tiering.replay.workloads import workload_trace
 
@@ -17,8 +18,8 @@ def load_bench() -> ModuleType:
     return load_benchmark("bench_headroom")
 
 
-def hits(policy: object, key_lists: list[list[bytes]]) -> list[int]:
-    return prefix_hits(simulate_cpu(policy, key_lists).flags, key_lists)  # type: ignore[arg-type]
+def hits(policy: EvictionPolicy, key_lists: list[list[bytes]]) -> list[int]:
+    return prefix_hits(simulate_cpu(policy, key_lists).flags, key_lists)
 
 
 def test_a_request_is_flagged_when_a_later_one_holds_its_last_block() -> None:
