@@ -18,7 +18,10 @@ request's blocks go to comes from the future. Told nothing (every flag false), *
 the LRU -> Belady gap closed; Belady is :class:`~tiering.replay.belady.RequestMIN`'s bound.
 
 Usage: python benchmarks/bench_headroom.py [--traces conversation,documents,production]
-[--seed 0] [--fractions 0.01,0.02,0.05,0.1,0.2] [--quick]
+[--seed 0] [--fractions 0.01,0.02,0.05,0.1,0.2] [--quick] [--files a.jsonl,b.jsonl]
+
+``--files`` reads block-trace files instead (Mooncake's or Qwen-Bailian's JSONL, in the format's
+blocks), such as the public Mooncake traces (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 from tiering.policies import make_policy
 from tiering.policies.chain import ChainPolicy
 from tiering.replay.belady import RequestMIN
+from tiering.replay.block_trace import read_block_trace
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
 from tiering.replay.workloads import workload_trace
 
@@ -80,9 +84,23 @@ class ToldChain(ChainPolicy):
 
 
 def headroom(trace: str, seed: int, fractions: Sequence[float]) -> list[str]:
-    """Table rows of ``trace``: per size, LRU, chain, chain told, Belady."""
+    """Table rows of the generated ``trace``: per size, LRU, chain, chain told, Belady."""
     # (the study orders the requests by arrival itself)
     key_lists = study_trace_from_blocks(workload_trace(trace, "demo", seed), BLOCK_TOKENS).key_lists
+    return headroom_rows(trace, key_lists, fractions)
+
+
+def headroom_of_file(path: str, fractions: Sequence[float]) -> list[str]:
+    """Table rows of a block-trace file, in its format's blocks."""
+    blocks = read_block_trace(path)
+    key_lists = study_trace_from_blocks(blocks.requests, blocks.block_tokens).key_lists
+    return headroom_rows(path, key_lists, fractions)
+
+
+def headroom_rows(
+    trace: str, key_lists: Sequence[Sequence[bytes]], fractions: Sequence[float]
+) -> list[str]:
+    """Table rows of a study's keys: per size, LRU, chain, chain told, Belady."""
     flags = continued_flags(key_lists)
     unique = len({key for keys in key_lists for key in keys})
     total = sum(map(len, key_lists))
@@ -119,13 +137,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     parser.add_argument("--quick", action="store_true", help="documents at 5 % only")
+    parser.add_argument("--files", help="block-trace files, comma separated (not generated)")
     args = parser.parse_args(argv)
     traces = ["documents"] if args.quick else args.traces.split(",")
     fractions = [0.05] if args.quick else [float(f) for f in args.fractions.split(",")]
-    print(f"Seed {args.seed}; prefix hit ratio (share of the LRU -> Belady gap closed):")
+    seed = "Block-trace files" if args.files else f"Seed {args.seed}"
+    print(f"{seed}; prefix hit ratio (share of the LRU -> Belady gap closed):")
     print()
     print("| trace | size | blocks | lru | chain | chain told first | chain told all | belady |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    if args.files:
+        for path in args.files.split(","):
+            print("\n".join(headroom_of_file(path, fractions)))
+        return
     for trace in traces:
         print("\n".join(headroom(trace, args.seed, fractions)))
 

@@ -3,6 +3,7 @@ nothing is `chain` hit for hit, and told the truth it keeps what is continued.""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -10,6 +11,7 @@ from bench_modules import load_benchmark
 
 from tiering.policies import make_policy
 from tiering.policies.base import EvictionPolicy
+from tiering.replay.block_trace import write_mooncake
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
 from tiering.replay.workloads import workload_trace
 
@@ -65,3 +67,19 @@ def test_the_quick_run_prints_one_row(capsys: pytest.CaptureFixture[str]) -> Non
     table = capsys.readouterr().out
     assert table.count("\n| documents | 5% |") == 1
     assert "| chain told first | chain told all | belady |" in table
+
+
+def test_a_block_trace_file_reads_as_the_trace_it_was_written_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench()
+    requests = workload_trace("documents", "tiny", 0)
+    path = tmp_path / "documents.jsonl"
+    write_mooncake(requests, path)
+    key_lists = study_trace_from_blocks(requests, 512).key_lists
+    expected = bench.headroom_rows(str(path), key_lists, [0.05])
+    assert len(expected) == 1 and expected[0].startswith(f"| {path} | 5% |")
+    bench.main(["--files", str(path), "--fractions", "0.05"])
+    table = capsys.readouterr().out
+    assert table.startswith("Block-trace files; ")
+    assert table.endswith(expected[0] + "\n")
