@@ -209,7 +209,7 @@ def test_a_continuation_moves_up_a_class_and_learns_the_delay() -> None:
     policy.insert_new([k(3), k(4)])
     assert _lists(policy) == ((k(11), k(10)), (k(2), k(1), k(0), k(4), k(3)), ())
     assert policy.tail_keys == (k(1), k(10), k(11), k(3), k(4))  # k(2) continued: forgotten
-    assert policy.class_stats == (_stats(2, 1, b5=1), _stats(1, 0), _stats(0, 0))
+    assert policy.class_stats == (_stats(2, 1, b5=1), _stats(1, 0), _stats(0, 0), _stats(0, 0))
     third = [*turn, k(5)]  # continues class 1: class 2, and so on (at most 2)
     policy.note_request(third)
     policy.touch(turn)
@@ -254,7 +254,7 @@ def test_a_request_told_at_its_end_moves_its_blocks_when_it_continued() -> None:
     policy.note_finished_request(turn)  # continues k(1): its blocks move to class 1
     assert _lists(policy) == ((), (k(3), k(2), k(1), k(0)), ())
     assert policy.tail_keys == (k(0), k(2), k(3))
-    assert policy.class_stats == (_stats(1, 1, b3=1), _stats(1, 0), _stats(0, 0))
+    assert policy.class_stats == (_stats(1, 1, b3=1), _stats(1, 0), _stats(0, 0), _stats(0, 0))
     policy.note_finished_request([k(0), k(1)])  # continues the first request's tail k(0);
     assert policy.tail_keys == (k(2), k(3), k(0))  # k(1), a block it used, is no tail of its
 
@@ -351,7 +351,7 @@ def test_a_key_for_a_request_is_a_typed_error() -> None:
         policy.note_request(k(0))  # type: ignore[arg-type]
     with pytest.raises(InvalidKeyError, match=r"note_finished_request\(\) takes a sequence"):
         policy.note_finished_request(k(0))  # type: ignore[arg-type]
-    assert policy.class_stats == (_stats(0, 0),) * 3
+    assert policy.class_stats == (_stats(0, 0),) * 4
 
 
 def test_clear_forgets_what_was_learned() -> None:
@@ -361,7 +361,7 @@ def test_clear_forgets_what_was_learned() -> None:
     policy.note_request([k(0), k(1)])
     policy.clear()
     assert (len(policy), policy.tail_keys) == (0, ())
-    assert policy.class_stats == (_stats(0, 0),) * 3
+    assert policy.class_stats == (_stats(0, 0),) * 4
     policy.insert_new([k(1), k(0)])  # no request noted any more: the order given
     assert _lists(policy) == ((k(1), k(0)), (), ())
 

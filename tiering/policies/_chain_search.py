@@ -1,4 +1,4 @@
-"""The victim search of :class:`~tiering.policies.chain.ChainPolicy` where the three lists are
+"""The victim search of :class:`~tiering.policies.chain.ChainPolicy` where its lists are
 plain (no key pinned in place or released, the usual case): runs of victims from the list whose
 oldest key ranks lowest, popped from the ``OrderedDict`` heads, the rank computed only for keys
 not surely older than the point where the list's rank crosses the others'."""
@@ -11,10 +11,14 @@ from collections.abc import Collection, Sequence
 
 from tiering.policies._order import RecencyOrder
 
-__all__ = ["CLASSES", "evict_in_place", "rank_at", "sure_stamp"]
+__all__ = ["CLASSES", "LISTS", "SHARED", "evict_in_place", "rank_at", "sure_stamp"]
 
-#: How many classes (lists) a chain policy has.
+#: How many classes of requests a chain policy has (a list each).
 CLASSES = 3
+#: The list of shared blocks (used by a request that continues nothing), after the classes'.
+SHARED = CLASSES
+#: How many lists a chain policy has.
+LISTS = CLASSES + 1
 
 
 def rank_at(ranks: list[float], age_ticks: int) -> float:
@@ -33,19 +37,22 @@ def evict_in_place(
     tables: list[list[float]],
     now: int,
     orders: Sequence[RecencyOrder],
+    taken_from_shared: list[tuple[bytes, int]] | None = None,
 ) -> list[bytes] | None:
     """``ChainPolicy.evict`` where no list has a key pinned in place or released: each
     ``_main`` is in stamp order, so its head is its next victim. Each list's next victim is
     looked at where it is; the chosen list's keys are popped from its head; those popped and
     not taken (protected, or the key that ended a run) go back to its head in their order, and
-    every popped key if ``n`` cannot be found."""
-    kept: list[list[tuple[bytes, int]]] = [[], [], []]  # popped, not taken (stamp order)
-    took: list[list[tuple[bytes, int]]] = [[], [], []]
+    every popped key if ``n`` cannot be found. The victims taken from the shared list, with
+    their stamps, are added to ``taken_from_shared`` (its ghosts)."""
+    lists = range(len(mains))
+    kept: list[list[tuple[bytes, int]]] = [[] for _ in lists]  # popped, not taken (in order)
+    took: list[list[tuple[bytes, int]]] = [[] for _ in lists]
     runs: list[tuple[int, int]] = []  # (list, how many): the victims' order
-    pending: list[tuple[bytes, int] | None] = [None, None, None]
-    popped = [False, False, False]  # whether pending[c] was popped (else still at the head)
-    ranked = [0.0, 0.0, 0.0]
-    for c in range(CLASSES):
+    pending: list[tuple[bytes, int] | None] = [None for _ in lists]
+    popped = [False for _ in lists]  # whether pending[c] was popped (else still at the head)
+    ranked = [0.0 for _ in lists]
+    for c in lists:
         for entry in mains[c].items():  # looked at, not popped
             if entry[0] not in guard:
                 pending[c] = entry
@@ -54,7 +61,7 @@ def evict_in_place(
     wanted = n
     while wanted:
         side, others = -1, 0
-        for c in range(CLASSES):
+        for c in lists:
             ahead = pending[c]
             if ahead is not None:
                 if side < 0:
@@ -95,7 +102,7 @@ def evict_in_place(
             runs.append((side, count))
             break
         bound_rank, bound_stamp = 2.0, 0
-        for c in range(CLASSES):
+        for c in lists:
             other = pending[c]
             if other is not None and (ranked[c], other[1]) < (bound_rank, bound_stamp):
                 bound_rank, bound_stamp = ranked[c], other[1]
@@ -117,7 +124,7 @@ def evict_in_place(
         wanted -= count
         runs.append((side, count))
     found_all = not wanted
-    for c in range(CLASSES):
+    for c in lists:
         back = kept[c]
         if popped[c]:
             back.append(pending[c])  # type: ignore[arg-type]  # the last popped of its list
@@ -132,9 +139,11 @@ def evict_in_place(
                 main.move_to_end(key, last=False)
     if not found_all:
         return None
+    if taken_from_shared is not None and len(took) > SHARED:
+        taken_from_shared += took[SHARED]
     if len(runs) == 1:
         return [entry[0] for entry in took[runs[0][0]]]
-    starts = [0, 0, 0]
+    starts = [0 for _ in lists]
     victims: list[bytes] = []
     for c, count in runs:
         victims += [entry[0] for entry in took[c][starts[c] : starts[c] + count]]

@@ -87,6 +87,8 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
 from tiering.policies._chain_search import CLASSES as _CLASSES
+from tiering.policies._chain_search import LISTS as _LISTS
+from tiering.policies._chain_search import SHARED as _SHARED
 from tiering.policies._chain_search import evict_in_place, rank_at
 from tiering.policies._checks import (
     check_evict_count,
@@ -132,16 +134,25 @@ class ChainPolicy(ListsPolicy):
     _HALVING_CAPACITIES: ClassVar[int] = 10
     #: The ranks are computed again from the counts once this many requests were noted.
     _TABLE_REQUESTS: ClassVar[int] = 64
+    #: Ghosts of the shared list's victims remembered (learning how soon they are used
+    #: again), in capacities.
+    _GHOST_CAPACITIES: ClassVar[int] = 2
+    #: The share of the shared list's waits ended by a use that its estimate starts from.
+    _SHARED_PRIOR_SHARE: ClassVar[float] = 0.5
     #: Search plain lists (nothing pinned in place or released) by popping their heads
     #: (:mod:`~tiering.policies._chain_search`); tests turn it off to check both searches.
     _PLAIN_SEARCH: ClassVar[bool] = True
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity, _CLASSES)
+        super().__init__(capacity, _LISTS)
         self._tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key: class, time
-        self._requests = [0.0] * _CLASSES
-        self._continued = [0.0] * _CLASSES
-        self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
+        # Per class, then the shared list (its "requests" are waits, "continued" those a use
+        # ended: of the keys it held, or of its ghosts).
+        self._requests = [0.0] * _LISTS
+        self._continued = [0.0] * _LISTS
+        self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # shared victims: key -> stamp
+        self._to_shared: frozenset[bytes] = frozenset()  # the noted request's ghosts
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
         self._requests_since_tables = 0
         self._stored_since_halving = 0
@@ -155,10 +166,12 @@ class ChainPolicy(ListsPolicy):
 
     @property
     def class_stats(self) -> tuple[ChainClassStats, ...]:
-        """What was learned of each class, 0 to 2."""
+        """What was learned of each class, 0 to 2, then of the shared list (its requests are
+        the waits of its blocks, from a use to the next use or eviction; continued, those a use
+        ended, of a block held or of a ghost)."""
         return tuple(
             ChainClassStats(self._requests[c], self._continued[c], tuple(self._delays[c]))
-            for c in range(_CLASSES)
+            for c in range(_LISTS)
         )
 
     @property
@@ -176,6 +189,7 @@ class ChainPolicy(ListsPolicy):
         if not keys:
             return
         now = self._now()
+        self._to_shared = self._ghost_uses(keys, now) if self._ghosts else frozenset()
         request_class, continued = self._classify(keys, now)
         self._remember_tails(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
@@ -192,12 +206,54 @@ class ChainPolicy(ListsPolicy):
             return
         lists = self._lists
         now = self._now()
+        back = self._ghost_uses(keys, now) if self._ghosts else frozenset()
         request_class, continued = self._classify(keys, now)
         # Not a block it used: one it stored is in class 0 (or gone).
         self._remember_tails(keys, request_class, continued, lists[1:], now)
+        self._sync_clocks()
+        if back:  # stored again in class 0: the shared list's
+            lists[_SHARED].gather_all([key for key in keys if key in back], lists[:1])
         if request_class:
-            self._sync_clocks()
             lists[request_class].gather_all(keys, lists[:request_class])
+        else:  # continuing nothing, the blocks it used (in classes 1-2) are shared
+            shared = lists[_SHARED]
+            before = shared.size
+            shared.gather_all(keys, lists[1:_SHARED])
+            self._requests[_SHARED] += shared.size - before
+
+    def _ghost_uses(self, keys: Sequence[bytes], now: int) -> frozenset[bytes]:
+        """Learn from the keys of a request that are ghosts of the shared list (a use that
+        ended a wait, after its block was evicted): the ghosts, forgotten."""
+        ghosts = self._ghosts
+        found = [key for key in keys if key in ghosts]
+        delays = self._delays[_SHARED]
+        for key in found:
+            delays[delay_bin(max(0, now - ghosts.pop(key)))] += 1
+        self._continued[_SHARED] += len(found)
+        self._requests[_SHARED] += len(found)
+        return frozenset(found)
+
+    def _count_shared_uses(self, keys: Sequence[bytes], now: int) -> None:
+        """Learn from a use of keys that the shared list holds: each ends a wait (after the
+        delay since its stamp) and starts another."""
+        shared = self._lists[_SHARED]
+        if not shared.size:
+            return
+        main, parked = shared._main, shared._parked
+        delays = self._delays[_SHARED]
+        used = 0
+        for key in keys:
+            stamp = main.get(key)
+            if stamp is None:
+                stamp = parked.get(key)
+                if stamp is None:
+                    continue
+            elif stamp < 0:  # released: its stamp, complemented
+                stamp = ~stamp
+            delays[delay_bin(max(0, now - stamp))] += 1
+            used += 1
+        self._continued[_SHARED] += used
+        self._requests[_SHARED] += used
 
     def _classify(self, keys: Sequence[bytes], now: int) -> tuple[int, bytes | None]:
         """The class of a request and the tail it continues (the deepest), learning from it."""
@@ -246,11 +302,11 @@ class ChainPolicy(ListsPolicy):
         # learned changes while evicting, so each key's rank is fixed.
         tables, now = self._class_tables(), self._now()
         lists = [sorted(_stamped(order), key=lambda entry: entry[1]) for order in self._lists]
-        heads = [0] * _CLASSES
+        heads = [0] * _LISTS
         while True:
             best = -1
             best_rank = (0.0, 0)
-            for c in range(_CLASSES):
+            for c in range(_LISTS):
                 if heads[c] < len(lists[c]):
                     stamp = lists[c][heads[c]][1]
                     rank = (rank_at(tables[c], now - stamp), stamp)
@@ -263,20 +319,32 @@ class ChainPolicy(ListsPolicy):
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """A use: a held block moves up to class 1, or to the noted request's class if it is
-        for that request and higher, as that class's most recent (a pinned one, still being
-        written, stays); ``keys[0]`` ends most recent. Absent keys are ignored."""
+        for that request and higher, or to the shared list if that request continues nothing,
+        as that list's most recent (a pinned one, still being written, stays); a shared block
+        stays shared; ``keys[0]`` ends most recent. Absent keys are ignored."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys)
         if not keys:
             return
         lists = self._lists
-        target = max(1, self._request_class) if self._in_request(keys[0], 0) else 1
+        shared = lists[_SHARED]
+        if shared.size:
+            self._count_shared_uses(keys, self._now())
+        target = 1
+        if self._in_request(keys[0], 0):
+            target = self._request_class or _SHARED  # class 0: it continues nothing
+        if target == _SHARED:
+            before = shared.size
+            shared.gather_all(keys, lists[:_SHARED])
+            self._requests[_SHARED] += shared.size - before
+            return
         if target < _CLASSES - 1:  # (gather_all syncs the clocks of the lists it is given)
             self._sync_clocks()
         lists[target].gather_all(keys, lists[:target])
         for order in lists[target + 1 :]:
             order.sync_clock(lists[target])
-            order.touch_all(keys)
+            if order.size:
+                order.touch_all(keys)
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
         if type(key) is not bytes:
@@ -292,7 +360,15 @@ class ChainPolicy(ListsPolicy):
         self._sync_clocks()
         order = self._lists[self._request_class if in_request else 0]
         # A request's blocks, deepest oldest: it goes before the blocks it needs.
-        if not order.add_all(keys[::-1] if in_request else keys, evictable):
+        ordered = keys[::-1] if in_request else keys
+        back = self._to_shared
+        if back and in_request and not back.isdisjoint(keys):
+            # The request's ghosts go back to the shared list, the rest to its class.
+            if len(set(keys)) < len(keys) or any(key in self for key in keys):
+                raise KeyError("insert_new: a key was held already or listed twice")
+            order.add_all([key for key in ordered if key not in back], evictable)
+            self._lists[_SHARED].add_all([key for key in ordered if key in back], evictable)
+        elif not order.add_all(ordered, evictable):
             raise KeyError("insert_new: a key was held already or listed twice")
         self._stored_since_halving += len(keys)
         if self._stored_since_halving >= self._HALVING_CAPACITIES * max(self.capacity, 1):
@@ -300,7 +376,7 @@ class ChainPolicy(ListsPolicy):
             self._ticks_per_store = (now - self._window_start) / self._stored_since_halving
             self._window_start = now
             self._stored_since_halving = 0
-            for c in range(_CLASSES):
+            for c in range(_LISTS):
                 self._requests[c] /= 2
                 self._continued[c] /= 2
                 self._delays[c] = [count / 2 for count in self._delays[c]]
@@ -336,35 +412,51 @@ class ChainPolicy(ListsPolicy):
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
         tables, now = self._class_tables(), self._now()
-        first, second, third = orders
+        ghosts: list[tuple[bytes, int]] = []  # the shared list's victims, with their stamps
         if self._PLAIN_SEARCH and not (
-            first._pinned_in_place  # shared: the three lists'
-            or first._heap
-            or first._rel
-            or second._heap
-            or second._rel
-            or third._heap
-            or third._rel
+            orders[0]._pinned_in_place  # shared: the lists'
+            or any(order._heap or order._rel for order in orders)
         ):
-            return evict_in_place([o._main for o in orders], n, guard, tables, now, orders)
+            mains = [order._main for order in orders]
+            victims = evict_in_place(mains, n, guard, tables, now, orders, ghosts)
+        else:
+            victims = self._evict_searched(n, guard, tables, now, ghosts)
+        if victims is not None and ghosts:
+            remembered = self._ghosts
+            remembered.update(ghosts)
+            while len(remembered) > self._GHOST_CAPACITIES * max(self.capacity, 1):
+                remembered.popitem(last=False)
+        return victims
+
+    def _evict_searched(
+        self,
+        n: int,
+        guard: Collection[bytes],
+        tables: list[list[float]],
+        now: int,
+        ghosts: list[tuple[bytes, int]],
+    ) -> list[bytes] | None:
+        """:meth:`evict` where a list has keys pinned in place or released: each list's next
+        victim is taken ahead through :meth:`RecencyOrder.take_one`."""
+        orders = self._lists
         log2 = math.log2
         taken: list[bytes] = []
         # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
         # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
         # not chosen at the end are put back in their places. Once one list alone has keys
         # left, the rest come from it, oldest first, in one take.
-        pending: list[tuple[bytes, int] | None] = [None] * _CLASSES
-        ranked = [0.0] * _CLASSES
-        stamps = [0] * _CLASSES
+        pending: list[tuple[bytes, int] | None] = [None] * _LISTS
+        ranked = [0.0] * _LISTS
+        stamps = [0] * _LISTS
         try:
-            for c in range(_CLASSES):
+            for c in range(_LISTS):
                 if orders[c].size:
                     ahead = pending[c] = orders[c].take_one(guard)
                     if ahead is not None:
                         ranked[c], stamps[c] = rank_at(tables[c], now - ahead[1]), ahead[1]
             while len(taken) < n:
                 side, live = -1, 0
-                for c in range(_CLASSES):
+                for c in range(_LISTS):
                     if pending[c] is not None:
                         live += 1
                         if side < 0 or (ranked[c], stamps[c]) < (ranked[side], stamps[side]):
@@ -374,19 +466,22 @@ class ChainPolicy(ListsPolicy):
                 ahead = pending[side]
                 assert ahead is not None
                 pending[side] = None
-                if live == 1:
+                if live == 1 and side != _SHARED:
                     taken.append(ahead[0])
                     taken += orders[side].take(n - len(taken), guard)
                     break
                 # A run from the winning list while its next key ranks below the best of the
                 # others (whose next keys stay as they are).
                 bound_rank, bound_stamp = min(
-                    (ranked[c], stamps[c]) for c in range(_CLASSES) if pending[c] is not None
+                    ((ranked[c], stamps[c]) for c in range(_LISTS) if pending[c] is not None),
+                    default=(2.0, 0),  # the shared list alone: taken one by one, for its ghosts
                 )
                 order, table = orders[side], tables[side]
                 last_knot = len(table) - 1
                 while True:
                     taken.append(ahead[0])
+                    if side == _SHARED:
+                        ghosts.append(ahead)
                     if len(taken) == n:
                         break
                     ahead = order.take_one(guard)
@@ -418,9 +513,11 @@ class ChainPolicy(ListsPolicy):
     def clear(self) -> None:
         super().clear()
         self._tails.clear()
-        self._requests = [0.0] * _CLASSES
-        self._continued = [0.0] * _CLASSES
-        self._delays = [[0.0] * _BINS for _ in range(_CLASSES)]
+        self._requests = [0.0] * _LISTS
+        self._continued = [0.0] * _LISTS
+        self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
+        self._ghosts.clear()
+        self._to_shared = frozenset()
         self._tables = None
         self._requests_since_tables = 0
         self._stored_since_halving = 0
@@ -444,12 +541,14 @@ class ChainPolicy(ListsPolicy):
         return key in found
 
     def _sync_clocks(self) -> None:
-        first, second, third = self._lists
-        first._clock = second._clock = third._clock = max(first._clock, second._clock, third._clock)
+        first, second, third, shared = self._lists
+        first._clock = second._clock = third._clock = shared._clock = max(
+            first._clock, second._clock, third._clock, shared._clock
+        )
 
     def _now(self) -> int:
-        first, second, third = self._lists
-        return max(first._clock, second._clock, third._clock)
+        first, second, third, shared = self._lists
+        return max(first._clock, second._clock, third._clock, shared._clock)
 
     def _horizon_ticks(self) -> int:
         """The ticks in which a capacity of blocks is stored: a block's time to come back before
@@ -463,16 +562,18 @@ class ChainPolicy(ListsPolicy):
         return max(1, round(capacity * ratio))
 
     def _class_tables(self) -> list[list[float]]:
-        """Per class, its rank at ages ``2**(j/2) - 1`` (``j`` < ``_BINS``), made non-increasing
-        (see :func:`_rank_knots`); computed from the counts when first needed and again once
-        ``_TABLE_REQUESTS`` more requests were noted."""
+        """Per class, then for the shared list, its rank at ages ``2**(j/2) - 1`` (``j`` <
+        ``_BINS``), made non-increasing (see :func:`_rank_knots`); computed from the counts when
+        first needed and again once ``_TABLE_REQUESTS`` more requests were noted. The classes
+        start from their pooled estimate, the shared list from ``_SHARED_PRIOR_SHARE`` and the
+        classes' pooled delays."""
         if self._tables is not None and self._requests_since_tables < self._TABLE_REQUESTS:
             return self._tables
         self._requests_since_tables = 0
         requests, continued, delays = self._requests, self._continued, self._delays
-        all_requests, all_continued = sum(requests), sum(continued)
+        all_requests, all_continued = sum(requests[:_CLASSES]), sum(continued[:_CLASSES])
         pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
-        pooled = [sum(counts) for counts in zip(*delays, strict=True)]
+        pooled = [sum(counts) for counts in zip(*delays[:_CLASSES], strict=True)]
         pooled_total = sum(pooled)
         prior = self._PRIOR_REQUESTS
         if pooled_total > 0:
@@ -481,8 +582,9 @@ class ChainPolicy(ListsPolicy):
             prior_bins = [0.0] * _BINS
             prior_bins[delay_bin(max(self.capacity, 1))] = prior
         tables = []
-        for c in range(_CLASSES):
-            share = (continued[c] + prior * pooled_share) / (requests[c] + prior)
+        for c in range(_LISTS):
+            prior_share = pooled_share if c < _CLASSES else self._SHARED_PRIOR_SHARE
+            share = (continued[c] + prior * prior_share) / (requests[c] + prior)
             share = min(max(share, 1e-3), 1 - 1e-3)
             weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
             total = sum(weights)
