@@ -36,16 +36,19 @@ def k(i: int) -> bytes:
 
 
 class Reference:
-    """The docstring's rule, plainly: three ordered dicts of key -> stamp, tails, counts."""
+    """The docstring's rule, plainly: four ordered dicts of key -> stamp (classes 0-2, then
+    the shared list), tails, the shared list's ghosts, counts."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(3)]
+        self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(4)]
         self.clock = -1  # the last tick given
         self.tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self.requests = [0.0] * 3
-        self.continued = [0.0] * 3
-        self.delays = [[0.0] * 64 for _ in range(3)]
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self.to_shared: set[bytes] = set()
+        self.requests = [0.0] * 4
+        self.continued = [0.0] * 4
+        self.delays = [[0.0] * 64 for _ in range(4)]
         self.stored = 0
         self.request: tuple[int, set[bytes]] | None = None
         self.ranks: list[list[float]] | None = None
@@ -54,12 +57,18 @@ class Reference:
         self.ticks_per_store = 1.0
 
     def class_of(self, key: bytes) -> int | None:
-        return next((c for c in range(3) if key in self.lists[c]), None)
+        return next((c for c in range(4) if key in self.lists[c]), None)
 
     def held(self, key: bytes) -> bool:
         return self.class_of(key) is not None
 
     def note_request(self, keys: Sequence[bytes]) -> None:
+        self.to_shared = {key for key in keys if key in self.ghosts}
+        for key in keys:  # a use that ends a wait of an evicted shared block
+            if key in self.to_shared:
+                self.continued[3] += 1
+                self.requests[3] += 1
+                self.delays[3][int(2 * math.log2(self.clock - self.ghosts.pop(key) + 1))] += 1
         found = next((key for key in reversed(keys) if key in self.tails), None)
         cls = 0
         if found is not None:
@@ -80,10 +89,17 @@ class Reference:
     def touch(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
+        for key in keys:  # a use of a shared block ends a wait and starts one
+            if key in self.lists[3]:
+                self.continued[3] += 1
+                self.requests[3] += 1
+                self.delays[3][int(2 * math.log2(self.clock - self.lists[3][key] + 1))] += 1
         request = self.request
         target = 1
         if request is not None and keys[0] in request[1]:
-            target = max(1, request[0])
+            target = request[0] or 3  # continuing nothing: what it uses is shared
+        if target == 3:
+            self.requests[3] += sum(1 for key in keys if self.class_of(key) in (0, 1, 2))
         for key in reversed(keys):  # up to the target class, keys[0] last
             cls = self.class_of(key)
             if cls is not None and cls <= target:
@@ -101,15 +117,18 @@ class Reference:
         request = self.request
         in_request = request is not None and keys[0] in request[1]
         cls = request[0] if request is not None and in_request else 0
-        for key in reversed(keys) if in_request else keys:
+        ordered = list(reversed(keys)) if in_request else list(keys)
+        back = self.to_shared if in_request else set()
+        # The class's keys, then the request's ghosts, back to the shared list.
+        for key in [key for key in ordered if key not in back] + [k for k in ordered if k in back]:
             self.clock += 1
-            self.lists[cls][key] = self.clock
+            self.lists[3 if key in back else cls][key] = self.clock
         self.stored += len(keys)
         if self.stored >= 10 * self.capacity:
             self.ticks_per_store = (self.clock - self.window_start) / self.stored
             self.window_start = self.clock
             self.stored = 0
-            for c in range(3):
+            for c in range(4):
                 self.requests[c] /= 2
                 self.continued[c] /= 2
                 self.delays[c] = [count / 2 for count in self.delays[c]]
@@ -124,7 +143,8 @@ class Reference:
         if self.stored >= self.capacity:
             ratio = (self.clock - self.window_start) / self.stored
         horizon = max(1, round(self.capacity * ratio))
-        pooled_share = sum(self.continued) / sum(self.requests) if sum(self.requests) else 0.5
+        requests, continued = sum(self.requests[:3]), sum(self.continued[:3])
+        pooled_share = continued / requests if requests else 0.5
         pooled = [sum(self.delays[c][b] for c in range(3)) for b in range(64)]
         if sum(pooled):
             prior = [4 * count / sum(pooled) for count in pooled]
@@ -132,8 +152,9 @@ class Reference:
             prior = [0.0] * 64
             prior[int(2 * math.log2(self.capacity + 1))] = 4
         self.ranks = []
-        for cls in range(3):
-            share = (self.continued[cls] + 4 * pooled_share) / (self.requests[cls] + 4)
+        for cls in range(4):
+            prior_share = pooled_share if cls < 3 else 0.5
+            share = (self.continued[cls] + 4 * prior_share) / (self.requests[cls] + 4)
             share = min(max(share, 1e-3), 1 - 1e-3)
             weights = [count + extra for count, extra in zip(self.delays[cls], prior, strict=True)]
             knots = [0.0]
@@ -174,8 +195,12 @@ class Reference:
             cls = min(ranked)[2]
             key = heads[cls]
             assert key is not None
-            del self.lists[cls][key]
+            stamp = self.lists[cls].pop(key)
+            if cls == 3:  # remembered as a ghost
+                self.ghosts[key] = stamp
             taken.append(key)
+        while len(self.ghosts) > 2 * self.capacity:
+            self.ghosts.popitem(last=False)
         return taken
 
 
@@ -371,6 +396,7 @@ def test_clear_forgets_what_was_learned() -> None:
 _conversations = st.lists(
     st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()), min_size=1, max_size=60
 )
+_ROOT = [k(1), k(2)]  # a system prompt the even conversations share
 
 
 class _SearchedTheGeneralWay(ChainPolicy):
@@ -383,7 +409,8 @@ class _SearchedTheGeneralWay(ChainPolicy):
 def test_victims_and_lists_match_the_reference(
     policy_class: type[ChainPolicy], steps: list[tuple[int, int, bool]], capacity: int
 ) -> None:
-    """Conversations that go on or start over, as the study drives a policy; both searches."""
+    """Conversations that go on or start over, half of them after a shared system prompt, as
+    the study drives a policy; both searches."""
     policy, ref = policy_class(capacity), Reference(capacity)
     histories: dict[int, list[bytes]] = {}
     fresh = 1000
@@ -391,8 +418,10 @@ def test_victims_and_lists_match_the_reference(
         history = [] if restart else histories.get(conversation, [])
         new = [k(fresh + i) for i in range(new_blocks)]
         fresh += new_blocks
-        request = (history + new)[-capacity:]
-        histories[conversation] = request
+        root = _ROOT if conversation % 2 == 0 else []
+        own = (history + new)[-(capacity - len(root)) :]
+        histories[conversation] = own
+        request = root + own
         held = [key for key in request if key in policy]
         assert held == [key for key in request if ref.held(key)]
         missing = [key for key in request if key not in policy]
@@ -409,8 +438,12 @@ def test_victims_and_lists_match_the_reference(
         if missing:
             policy.insert_new(missing)
             ref.insert_new(missing)
-        assert _lists(policy) == tuple(tuple(lst) for lst in ref.lists)
+        assert (*_lists(policy), policy.list_keys(3)) == tuple(tuple(lst) for lst in ref.lists)
         assert policy.tail_keys == tuple(ref.tails)
+        assert policy.class_stats == tuple(
+            ChainClassStats(ref.requests[c], ref.continued[c], tuple(ref.delays[c]))
+            for c in range(4)
+        )
     assert list(policy)[: len(policy)] == _reference_order(ref)
 
 

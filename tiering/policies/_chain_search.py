@@ -1,7 +1,8 @@
-"""The victim search of :class:`~tiering.policies.chain.ChainPolicy` where its lists are
+"""The victim searches of :class:`~tiering.policies.chain.ChainPolicy`: where its lists are
 plain (no key pinned in place or released, the usual case): runs of victims from the list whose
 oldest key ranks lowest, popped from the ``OrderedDict`` heads, the rank computed only for keys
-not surely older than the point where the list's rank crosses the others'."""
+not surely older than the point where the list's rank crosses the others'; and where they
+are not, each list's next victim taken ahead, one at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from collections.abc import Collection, Sequence
 
 from tiering.policies._order import RecencyOrder
 
-__all__ = ["CLASSES", "LISTS", "SHARED", "evict_in_place", "rank_at", "sure_stamp"]
+__all__ = [
+    "CLASSES",
+    "LISTS",
+    "SHARED",
+    "evict_in_place",
+    "evict_taking_ahead",
+    "rank_at",
+    "sure_stamp",
+]
 
 #: How many classes of requests a chain policy has (a list each).
 CLASSES = 3
@@ -181,3 +190,85 @@ def sure_stamp(table: list[float], bound_rank: float, bound_stamp: int, now: int
     above, below = table[low], table[high]
     crossing = low + (above - bound_rank) / (above - below) + 1e-6  # in half-octaves
     return now - math.ceil(2 ** (crossing / 2) - 1)
+
+
+def evict_taking_ahead(
+    orders: Sequence[RecencyOrder],
+    n: int,
+    guard: Collection[bytes],
+    tables: list[list[float]],
+    now: int,
+    ghosts: list[tuple[bytes, int]],
+) -> list[bytes] | None:
+    """``ChainPolicy.evict`` where a list has keys pinned in place or released: each list's
+    next victim is taken ahead through :meth:`RecencyOrder.take_one`. The victims taken from
+    the shared list, with their stamps, are added to ``ghosts``."""
+    lists = len(orders)
+    log2 = math.log2
+    taken: list[bytes] = []
+    # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
+    # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
+    # not chosen at the end are put back in their places. Once one list alone has keys
+    # left, the rest come from it, oldest first, in one take.
+    pending: list[tuple[bytes, int] | None] = [None] * lists
+    ranked = [0.0] * lists
+    stamps = [0] * lists
+    try:
+        for c in range(lists):
+            if orders[c].size:
+                ahead = pending[c] = orders[c].take_one(guard)
+                if ahead is not None:
+                    ranked[c], stamps[c] = rank_at(tables[c], now - ahead[1]), ahead[1]
+        while len(taken) < n:
+            side, live = -1, 0
+            for c in range(lists):
+                if pending[c] is not None:
+                    live += 1
+                    if side < 0 or (ranked[c], stamps[c]) < (ranked[side], stamps[side]):
+                        side = c
+            if side < 0:
+                break
+            ahead = pending[side]
+            assert ahead is not None
+            pending[side] = None
+            if live == 1 and side != SHARED:
+                taken.append(ahead[0])
+                taken += orders[side].take(n - len(taken), guard)
+                break
+            # A run from the winning list while its next key ranks below the best of the
+            # others (whose next keys stay as they are).
+            bound_rank, bound_stamp = min(
+                ((ranked[c], stamps[c]) for c in range(lists) if pending[c] is not None),
+                default=(2.0, 0),  # the shared list alone: taken one by one, for its ghosts
+            )
+            order, table = orders[side], tables[side]
+            last_knot = len(table) - 1
+            while True:
+                taken.append(ahead[0])
+                if side == SHARED:
+                    ghosts.append(ahead)
+                if len(taken) == n:
+                    break
+                ahead = order.take_one(guard)
+                if ahead is None:
+                    break
+                stamp = ahead[1]
+                x = 2 * log2(now - stamp + 1)  # _rank, inline: a call per victim costs
+                j = int(x)
+                rank = (
+                    table[-1] if j >= last_knot else table[j] + (table[j + 1] - table[j]) * (x - j)
+                )
+                if rank > bound_rank or (rank == bound_rank and stamp >= bound_stamp):
+                    pending[side], ranked[side], stamps[side] = ahead, rank, stamp
+                    break
+        for order, held_back in zip(orders, pending, strict=True):
+            if held_back is not None:
+                order.put_back_last()
+    except BaseException:
+        for order in orders:
+            order.end_search(undo=True)
+        raise
+    found_all = len(taken) == n
+    for order in orders:
+        order.end_search(undo=not found_all)
+    return taken if found_all else None

@@ -89,7 +89,7 @@ from typing import ClassVar, NamedTuple
 from tiering.policies._chain_search import CLASSES as _CLASSES
 from tiering.policies._chain_search import LISTS as _LISTS
 from tiering.policies._chain_search import SHARED as _SHARED
-from tiering.policies._chain_search import evict_in_place, rank_at
+from tiering.policies._chain_search import evict_in_place, evict_taking_ahead, rank_at
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
@@ -338,8 +338,7 @@ class ChainPolicy(ListsPolicy):
             shared.gather_all(keys, lists[:_SHARED])
             self._requests[_SHARED] += shared.size - before
             return
-        if target < _CLASSES - 1:  # (gather_all syncs the clocks of the lists it is given)
-            self._sync_clocks()
+        self._sync_clocks()
         lists[target].gather_all(keys, lists[:target])
         for order in lists[target + 1 :]:
             order.sync_clock(lists[target])
@@ -367,6 +366,7 @@ class ChainPolicy(ListsPolicy):
             if len(set(keys)) < len(keys) or any(key in self for key in keys):
                 raise KeyError("insert_new: a key was held already or listed twice")
             order.add_all([key for key in ordered if key not in back], evictable)
+            self._sync_clocks()
             self._lists[_SHARED].add_all([key for key in ordered if key in back], evictable)
         elif not order.add_all(ordered, evictable):
             raise KeyError("insert_new: a key was held already or listed twice")
@@ -420,95 +420,13 @@ class ChainPolicy(ListsPolicy):
             mains = [order._main for order in orders]
             victims = evict_in_place(mains, n, guard, tables, now, orders, ghosts)
         else:
-            victims = self._evict_searched(n, guard, tables, now, ghosts)
+            victims = evict_taking_ahead(orders, n, guard, tables, now, ghosts)
         if victims is not None and ghosts:
             remembered = self._ghosts
             remembered.update(ghosts)
             while len(remembered) > self._GHOST_CAPACITIES * max(self.capacity, 1):
                 remembered.popitem(last=False)
         return victims
-
-    def _evict_searched(
-        self,
-        n: int,
-        guard: Collection[bytes],
-        tables: list[list[float]],
-        now: int,
-        ghosts: list[tuple[bytes, int]],
-    ) -> list[bytes] | None:
-        """:meth:`evict` where a list has keys pinned in place or released: each list's next
-        victim is taken ahead through :meth:`RecencyOrder.take_one`."""
-        orders = self._lists
-        log2 = math.log2
-        taken: list[bytes] = []
-        # The lowest-ranked of the lists' next victims (first evictable, unprotected keys), one
-        # at a time: each list's is taken ahead (its stamp, hence its rank, exact), and those
-        # not chosen at the end are put back in their places. Once one list alone has keys
-        # left, the rest come from it, oldest first, in one take.
-        pending: list[tuple[bytes, int] | None] = [None] * _LISTS
-        ranked = [0.0] * _LISTS
-        stamps = [0] * _LISTS
-        try:
-            for c in range(_LISTS):
-                if orders[c].size:
-                    ahead = pending[c] = orders[c].take_one(guard)
-                    if ahead is not None:
-                        ranked[c], stamps[c] = rank_at(tables[c], now - ahead[1]), ahead[1]
-            while len(taken) < n:
-                side, live = -1, 0
-                for c in range(_LISTS):
-                    if pending[c] is not None:
-                        live += 1
-                        if side < 0 or (ranked[c], stamps[c]) < (ranked[side], stamps[side]):
-                            side = c
-                if side < 0:
-                    break
-                ahead = pending[side]
-                assert ahead is not None
-                pending[side] = None
-                if live == 1 and side != _SHARED:
-                    taken.append(ahead[0])
-                    taken += orders[side].take(n - len(taken), guard)
-                    break
-                # A run from the winning list while its next key ranks below the best of the
-                # others (whose next keys stay as they are).
-                bound_rank, bound_stamp = min(
-                    ((ranked[c], stamps[c]) for c in range(_LISTS) if pending[c] is not None),
-                    default=(2.0, 0),  # the shared list alone: taken one by one, for its ghosts
-                )
-                order, table = orders[side], tables[side]
-                last_knot = len(table) - 1
-                while True:
-                    taken.append(ahead[0])
-                    if side == _SHARED:
-                        ghosts.append(ahead)
-                    if len(taken) == n:
-                        break
-                    ahead = order.take_one(guard)
-                    if ahead is None:
-                        break
-                    stamp = ahead[1]
-                    x = 2 * log2(now - stamp + 1)  # _rank, inline: a call per victim costs
-                    j = int(x)
-                    rank = (
-                        table[-1]
-                        if j >= last_knot
-                        else table[j] + (table[j + 1] - table[j]) * (x - j)
-                    )
-                    if rank > bound_rank or (rank == bound_rank and stamp >= bound_stamp):
-                        pending[side], ranked[side], stamps[side] = ahead, rank, stamp
-                        break
-            for order, held_back in zip(orders, pending, strict=True):
-                if held_back is not None:
-                    order.put_back_last()
-        except BaseException:
-            for order in orders:
-                order.end_search(undo=True)
-            raise
-        found_all = len(taken) == n
-        for order in orders:
-            order.end_search(undo=not found_all)
-        return taken if found_all else None
 
     def clear(self) -> None:
         super().clear()
