@@ -267,6 +267,56 @@ def test_a_shared_prefix_held_before_is_nobodys_tail() -> None:
     assert policy.class_stats[0].requests == 2
 
 
+def test_blocks_a_request_continuing_nothing_uses_are_shared_and_stay_shared() -> None:
+    policy = ChainPolicy(100)
+    system = [k(1), k(2)]
+    policy.note_request([*system, k(10), k(11)])  # stores the system prompt: tails k(10), k(11)
+    policy.insert_new([*system, k(10), k(11)])
+    policy.note_request([*system, k(20)])  # continues nothing: the prompt it uses is shared
+    policy.touch([*system, k(20)])
+    policy.insert_new([k(20)])
+    assert policy.list_keys(3) == (k(2), k(1))  # keys[0] the most recent
+    assert policy.class_stats[3].requests == 2  # two waits begun, none ended yet
+    policy.note_request([*system, k(20), k(21)])  # continues k(20): class 1
+    policy.touch([*system, k(20), k(21)])
+    policy.insert_new([k(21)])
+    assert policy.list_keys(3) == (k(2), k(1))  # still shared, used again
+    assert policy.list_keys(1) == (k(20), k(21))
+    stats = policy.class_stats[3]
+    assert (stats.requests, stats.continued, sum(stats.delay_bins)) == (4, 2, 2)
+
+
+def test_a_shared_victim_is_a_ghost_that_comes_back_shared() -> None:
+    policy = ChainPolicy(8)
+    system = [k(1), k(2)]
+    policy.note_request([*system, k(10), k(11)])
+    policy.insert_new([*system, k(10), k(11)])
+    policy.note_request([*system, k(20)])
+    policy.touch([*system, k(20)])
+    policy.insert_new([k(20)])
+    victims = policy.evict(2, protected={k(10), k(11), k(20)})
+    assert victims is not None and sorted(victims) == system
+    policy.note_request([*system, k(30)])  # its system blocks were ghosts: two waits ended
+    assert policy.class_stats[3].continued == 2
+    policy.insert_new([*system, k(30)])
+    assert (policy.list_keys(3), policy.list_keys(0)[-1:]) == ((k(2), k(1)), (k(30),))
+    policy.note_request([*system, k(40)])  # no longer ghosts: nothing more learned
+    assert policy.class_stats[3].continued == 2
+
+
+def test_told_at_its_end_a_request_continuing_nothing_makes_what_it_used_shared() -> None:
+    """vLLM's order: the uses and stores first, the request whole at its end."""
+    policy = ChainPolicy(100)
+    policy.insert_new([k(1), k(2), k(10), k(11)])
+    policy.note_finished_request([k(1), k(2), k(10), k(11)])
+    policy.touch([k(1), k(2)])  # a later request uses the system prompt: class 1 for now
+    policy.insert_new([k(20)])
+    assert policy.list_keys(1) == (k(2), k(1))
+    policy.note_finished_request([k(1), k(2), k(20)])  # continues nothing
+    assert (policy.list_keys(1), policy.list_keys(3)) == ((), (k(2), k(1)))
+    assert k(20) in policy.list_keys(0)
+
+
 def test_a_request_told_at_its_end_moves_its_blocks_when_it_continued() -> None:
     """vLLM's order: stores first, the request whole at its end."""
     policy = ChainPolicy(100)
