@@ -79,7 +79,7 @@ class RecencyOrder(StampedOrder):
     def share_pins_with(self, partner: RecencyOrder) -> None:
         """Share this order's keys pinned in place with ``partner`` (both empty; ``partner``
         unpartnered): one mark pins a key of any order of the group (ARC's T1 and T2; called
-        again with a third order, chain's three lists)."""
+        again for each further order, chain's four lists)."""
         if self.size or partner.size or partner._partners or partner is self:
             raise ValueError("share_pins_with: both orders must be empty, the partner unpartnered")
         group = (self, *self._partners, partner)

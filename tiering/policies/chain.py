@@ -10,10 +10,11 @@ had a next turn is likelier to have another than a fresh prompt, and one that ha
 still; a document read twice is a popular one. ARC's sign (a block was reused) comes one turn
 later: a turn's new blocks are unused when stored, and ARC files them with one-off documents.
 
-Decisions (three lists, each in recency order: class 0, blocks of requests that continued
+Decisions (four lists, each in recency order: class 0, blocks of requests that continued
 nothing, not reused since stored; class 1, blocks reused since stored, or of a request that
 continued a class-0 request; class 2, blocks of a request that continued a class-1 or class-2
-request):
+request; the *shared* list, blocks used by a request that continued nothing: a system or tool
+prompt, a document others read):
 
 - **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order before
   its stores (:meth:`note_finished_request` when the caller knows them only at the request's
@@ -28,25 +29,33 @@ request):
   request's own): its class is one above the continued one's (at most 2), and the continued
   class counts an extension after that delay.
 - **Stores.** A noted request's new blocks go to its class, the deepest ranked oldest (a block
-  is of no use without the blocks before it, so a request's blocks go from the deepest up);
-  any other store goes to class 0 in the order given, as ``insert_many`` says.
+  is of no use without the blocks before it, so a request's blocks go from the deepest up),
+  except its *ghosts* (below), which go back to the shared list; any other store goes to
+  class 0 in the order given, as ``insert_many`` says.
 - **Uses.** A touch moves a held block up to class 1, or to the class of the request it is
-  for if higher (a pinned block being written stays); a block never moves down. A refresh
-  keeps each block in its class.
+  for if higher, or to the shared list if that request continued nothing (a pinned block
+  being written stays); a block never moves down, and a shared block stays shared. A refresh
+  keeps each block in its list. Told a request at its end, one that continued nothing makes
+  the blocks it used (in classes 1 and 2 by then) shared.
 - **Learned per class** (counts halved every ``_HALVING_CAPACITIES`` capacities of stored
   blocks, so the estimates follow the traffic): the share ``q`` of its requests continued
   later, and the distribution ``F`` of the delays before they were (a histogram of half-octave
   bins), each starting from the pooled estimate of all classes with the weight of
   ``_PRIOR_REQUESTS`` requests. Time is the policy's clock, one tick per key stored or
-  touched.
-- **Victims.** Each class gives up its oldest block first; between the three oldest, the
+  touched. **Learned for the shared list**, in the same form: its *waits* (from a use or a
+  store to the next use or eviction) and the share ``q`` a use ended, with their delays. A
+  shared victim is remembered as a ghost (up to ``_GHOST_CAPACITIES`` x capacity, with its
+  stamp), and a request holding a ghost ends that wait too: else a list evicted early would
+  learn that its blocks are never used again. Its estimate starts from ``q`` =
+  ``_SHARED_PRIOR_SHARE`` and the classes' pooled delays.
+- **Victims.** Each list gives up its oldest block first; between the four oldest, the
   victim is the one least likely to be continued within the next ``H`` ticks given its age
   ``a``: ``q (F(a + H) - F(a)) / (1 - q F(a))``, where ``H`` is the ticks in which a capacity
   of blocks is stored (measured over the halving window: touches tick the clock too, and
   vLLM's drop-in ranks a request's blocks again at its end), taken at the ages ``2**(j/2) - 1``
   and linear between them, each made the least of it and those at younger ages (a block never
   ranks above a younger one of its class: classes that learned alike rank by age alone). A tie
-  goes to the older block, then the lower class. The ranks are computed from the counts when
+  goes to the older block, then the lower list. The ranks are computed from the counts when
   first needed and again once ``_TABLE_REQUESTS`` more requests were noted. Pinned and
   protected blocks are passed over, as in every built-in.
 
@@ -103,6 +112,7 @@ from tiering.policies._two_lists import stamped_keys as _stamped
 __all__ = ["ChainClassStats", "ChainPolicy"]
 
 _BINS = 64  # half-octaves: delays up to 2**32 ticks
+_NO_KEYS: frozenset[bytes] = frozenset()
 
 
 class ChainClassStats(NamedTuple):
@@ -189,7 +199,7 @@ class ChainPolicy(ListsPolicy):
         if not keys:
             return
         now = self._now()
-        self._to_shared = self._ghost_uses(keys, now) if self._ghosts else frozenset()
+        self._to_shared = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now)
         self._remember_tails(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
@@ -413,9 +423,17 @@ class ChainPolicy(ListsPolicy):
             return None
         tables, now = self._class_tables(), self._now()
         ghosts: list[tuple[bytes, int]] = []  # the shared list's victims, with their stamps
+        first, second, third, shared = orders
         if self._PLAIN_SEARCH and not (
-            orders[0]._pinned_in_place  # shared: the lists'
-            or any(order._heap or order._rel for order in orders)
+            first._pinned_in_place  # shared: the four lists'
+            or first._heap
+            or first._rel
+            or second._heap
+            or second._rel
+            or third._heap
+            or third._rel
+            or shared._heap
+            or shared._rel
         ):
             mains = [order._main for order in orders]
             victims = evict_in_place(mains, n, guard, tables, now, orders, ghosts)
