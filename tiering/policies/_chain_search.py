@@ -198,7 +198,7 @@ def evict_taking_ahead(
     guard: Collection[bytes],
     tables: list[list[float]],
     now: int,
-    ghosts: list[tuple[bytes, int]],
+    ghosts: list[tuple[bytes, int]] | None,
 ) -> list[bytes] | None:
     """``ChainPolicy.evict`` where a list has keys pinned in place or released: each list's
     next victim is taken ahead through :meth:`RecencyOrder.take_one`. The victims taken from
@@ -245,7 +245,7 @@ def evict_taking_ahead(
             last_knot = len(table) - 1
             while True:
                 taken.append(ahead[0])
-                if side == SHARED:
+                if side == SHARED and ghosts is not None:
                     ghosts.append(ahead)
                 if len(taken) == n:
                     break

@@ -62,28 +62,29 @@ prompt, a document others read):
 Where it comes from and what it gives: the chain-class rule of the project's third session,
 with delay histograms instead of exponential delays (think times are log-normal: a block that
 has waited a minute is likelier to be continued soon than a fresh one) and tails that a
-question after a document does not hide. In the study on the generated traces (seeds 0-15, 1-20
-% of the unique blocks) it is within 0.2 points of the better of LRU and ARC at every point, and
-at 5 % closes 20-28 % of the LRU -> Belady gap on conversations, 16-23 % on documents, 8-17 % on
-the production mix (docs/benchmarks.md). Most of the rest is whether a request that continues
-nothing will be continued, which the requests of those traces do not show: told it, the same
-classes close 40-72 % at 5 % (``benchmarks/bench_headroom.py``). On the two public Mooncake
-traces, read after it was built: within 0.2 points at 9 of 10 points (0.29 under ARC at 20 % of
-the synthetic one), 8 % and 4 % of the gap at 5 %. Where it is weak: a shared prompt (a tenant's
-system or tool prompt, a popular document) touched by a class-2 request leaves with that
-class's newest blocks by recency, where ARC's second list keeps the reused apart; with a small
-cache and long pauses that costs up to 9.6 points (docs/benchmarks.md). Told no requests (a manager
-that does not know them) every new block goes to class 0 and no class learns anything, so they
+question after a document does not hide; the shared list (the twelfth session) keeps what many
+requests start from, as ARC's second list does, where the classes filed it with a request's
+newest blocks. In the study on the generated traces (seeds 0-15, 1-20 % of the unique blocks)
+it is within 0.2 points of the better of LRU and ARC at 319 of 320 points (0.25 under LRU at
+2 % of one agent trace), and at 5 % closes 19-28 % of the LRU -> Belady gap on conversations,
+15-23 % on documents, 8-17 % on the production mix, 62-86 % on agent loops
+(docs/benchmarks.md). Most of the rest is whether a request that continues nothing will be
+continued, which the requests of those traces do not show: told it, the same classes close
+40-72 % at 5 % (``benchmarks/bench_headroom.py``). On the two public Mooncake traces (looked
+at while the shared list was built; nothing in it was set on them): within 0.2 points at all
+10 points, 7 % and 4 % of the gap at 5 %. Told no requests (a manager that does not know
+them) every new block goes to class 0, nothing is shared and no class learns anything, so they
 rank alike and the older head goes: it is LRU, victim for victim (tested).
 
-Cost: three :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
-per key of each noted request up to its deepest tail and a set of its keys, an ordered dict of
-tails; victims popped from the lists' heads in runs (:mod:`~tiering.policies._chain_search`),
-a logarithm only for those near the point where one list's rank crosses another's (past a
-class's delays, where ranks are equal, the older stamp goes without one); the ranks computed
-again (three classes x 64 ages) once every ``_TABLE_REQUESTS`` requests. Per stored block,
-1.07-1.26x LRU's metadata storing new blocks and 1.35-1.54x in requests that reuse blocks
-(``benchmarks/bench_metadata.py``).
+Cost: four :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
+per key of each noted request up to its deepest tail and a set of its keys (and one in the
+ghosts, when there are any), an ordered dict of tails, another of ghosts; per use of a key the
+shared list holds, a dict probe and a logarithm; victims popped from the lists' heads in runs
+(:mod:`~tiering.policies._chain_search`), a logarithm only for those near the point where one
+list's rank crosses another's (past a class's delays, where ranks are equal, the older stamp
+goes without one); the ranks computed again (four lists x 64 ages) once every
+``_TABLE_REQUESTS`` requests. Per stored block, LRU's metadata times 1.1-1.25 storing new
+blocks and about 1.5 in requests that reuse blocks (``benchmarks/bench_metadata.py``).
 """
 
 from __future__ import annotations
@@ -348,12 +349,17 @@ class ChainPolicy(ListsPolicy):
             shared.gather_all(keys, lists[:_SHARED])
             self._requests[_SHARED] += shared.size - before
             return
-        self._sync_clocks()
-        lists[target].gather_all(keys, lists[:target])
-        for order in lists[target + 1 :]:
-            order.sync_clock(lists[target])
-            if order.size:
-                order.touch_all(keys)
+        gathering = lists[target]
+        if target < _CLASSES - 1 or shared._clock > gathering._clock:
+            self._sync_clocks()  # (else gather_all syncs the clocks of the lists it is given)
+        gathering.gather_all(keys, lists[:target])
+        if target < _CLASSES - 1:
+            top = lists[_CLASSES - 1]
+            top.sync_clock(gathering)
+            top.touch_all(keys)
+        if shared.size:
+            shared.sync_clock(gathering)
+            shared.touch_all(keys)
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
         if type(key) is not bytes:
@@ -422,7 +428,8 @@ class ChainPolicy(ListsPolicy):
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
         tables, now = self._class_tables(), self._now()
-        ghosts: list[tuple[bytes, int]] = []  # the shared list's victims, with their stamps
+        # The shared list's victims, with their stamps (none to look for in an empty list).
+        ghosts: list[tuple[bytes, int]] | None = [] if orders[_SHARED].size else None
         first, second, third, shared = orders
         if self._PLAIN_SEARCH and not (
             first._pinned_in_place  # shared: the four lists'
