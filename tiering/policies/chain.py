@@ -244,28 +244,6 @@ class ChainPolicy(ListsPolicy):
         self._requests[_SHARED] += len(found)
         return frozenset(found)
 
-    def _count_shared_uses(self, keys: Sequence[bytes], now: int) -> None:
-        """Learn from a use of keys that the shared list holds: each ends a wait (after the
-        delay since its stamp) and starts another."""
-        shared = self._lists[_SHARED]
-        if not shared.size:
-            return
-        main, parked = shared._main, shared._parked
-        delays = self._delays[_SHARED]
-        used = 0
-        for key in keys:
-            stamp = main.get(key)
-            if stamp is None:
-                stamp = parked.get(key)
-                if stamp is None:
-                    continue
-            elif stamp < 0:  # released: its stamp, complemented
-                stamp = ~stamp
-            delays[delay_bin(max(0, now - stamp))] += 1
-            used += 1
-        self._continued[_SHARED] += used
-        self._requests[_SHARED] += used
-
     def _classify(self, keys: Sequence[bytes], now: int) -> tuple[int, bytes | None]:
         """The class of a request and the tail it continues (the deepest), learning from it."""
         tails = self._tails
@@ -340,7 +318,9 @@ class ChainPolicy(ListsPolicy):
         lists = self._lists
         shared = lists[_SHARED]
         if shared.size:
-            self._count_shared_uses(keys, self._now())
+            used = _shared_uses(shared, keys, self._now(), self._delays[_SHARED])
+            self._continued[_SHARED] += used
+            self._requests[_SHARED] += used
         target = 1
         if self._in_request(keys[0], 0):
             target = self._request_class or _SHARED  # class 0: it continues nothing
@@ -535,6 +515,24 @@ class ChainPolicy(ListsPolicy):
             tables.append(_rank_knots(share, knots, self._horizon_ticks()))
         self._tables = tables
         return tables
+
+
+def _shared_uses(shared: RecencyOrder, keys: Sequence[bytes], now: int, delays: list[float]) -> int:
+    """How many of ``keys`` the shared list holds: each use ends a wait (its delay since the
+    key's stamp counted in ``delays``) and starts another."""
+    main, parked = shared._main, shared._parked
+    used = 0
+    for key in keys:
+        stamp = main.get(key)
+        if stamp is None:
+            stamp = parked.get(key)
+            if stamp is None:
+                continue
+        elif stamp < 0:  # released: its stamp, complemented
+            stamp = ~stamp
+        delays[delay_bin(max(0, now - stamp))] += 1
+        used += 1
+    return used
 
 
 def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[float]:
