@@ -46,14 +46,14 @@ def evict_in_place(
     tables: list[list[float]],
     now: int,
     orders: Sequence[RecencyOrder],
-    taken_from_shared: list[tuple[bytes, int]] | None = None,
+    ghosts: list[tuple[bytes, int]] | None = None,
 ) -> list[bytes] | None:
     """``ChainPolicy.evict`` where no list has a key pinned in place or released: each
     ``_main`` is in stamp order, so its head is its next victim. Each list's next victim is
     looked at where it is; the chosen list's keys are popped from its head; those popped and
     not taken (protected, or the key that ended a run) go back to its head in their order, and
     every popped key if ``n`` cannot be found. The victims taken from the shared list, with
-    their stamps, are added to ``taken_from_shared`` (its ghosts)."""
+    their stamps, are added to ``ghosts``."""
     lists = range(len(mains))
     kept: list[list[tuple[bytes, int]]] = [[] for _ in lists]  # popped, not taken (in order)
     took: list[list[tuple[bytes, int]]] = [[] for _ in lists]
@@ -148,8 +148,8 @@ def evict_in_place(
                 main.move_to_end(key, last=False)
     if not found_all:
         return None
-    if taken_from_shared is not None and len(took) > SHARED:
-        taken_from_shared += took[SHARED]
+    if ghosts is not None:
+        ghosts += took[SHARED]
     if len(runs) == 1:
         return [entry[0] for entry in took[runs[0][0]]]
     starts = [0 for _ in lists]

@@ -163,7 +163,7 @@ class ChainPolicy(ListsPolicy):
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # shared victims: key -> stamp
-        self._to_shared: frozenset[bytes] = frozenset()  # the noted request's ghosts
+        self._to_shared: frozenset[bytes] = _NO_KEYS  # the noted request's ghosts
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
         self._requests_since_tables = 0
         self._stored_since_halving = 0
@@ -217,7 +217,7 @@ class ChainPolicy(ListsPolicy):
             return
         lists = self._lists
         now = self._now()
-        back = self._ghost_uses(keys, now) if self._ghosts else frozenset()
+        back = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now)
         # Not a block it used: one it stored is in class 0 (or gone).
         self._remember_tails(keys, request_class, continued, lists[1:], now)
@@ -408,9 +408,9 @@ class ChainPolicy(ListsPolicy):
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
         tables, now = self._class_tables(), self._now()
-        # The shared list's victims, with their stamps (none to look for in an empty list).
-        ghosts: list[tuple[bytes, int]] | None = [] if orders[_SHARED].size else None
         first, second, third, shared = orders
+        # The shared list's victims, with their stamps (none to look for in an empty list).
+        ghosts: list[tuple[bytes, int]] | None = [] if shared.size else None
         if self._PLAIN_SEARCH and not (
             first._pinned_in_place  # shared: the four lists'
             or first._heap
@@ -440,7 +440,7 @@ class ChainPolicy(ListsPolicy):
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
         self._ghosts.clear()
-        self._to_shared = frozenset()
+        self._to_shared = _NO_KEYS
         self._tables = None
         self._requests_since_tables = 0
         self._stored_since_halving = 0
