@@ -6,9 +6,13 @@ are not, each list's next victim taken ahead, one at a time."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import operator
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from tiering.policies._order import RecencyOrder
 
@@ -18,6 +22,7 @@ __all__ = [
     "SHARED",
     "evict_in_place",
     "evict_taking_ahead",
+    "negated_tables",
     "rank_at",
     "sure_stamp",
 ]
@@ -28,6 +33,8 @@ CLASSES = 3
 SHARED = CLASSES
 #: How many lists a chain policy has.
 LISTS = CLASSES + 1
+
+_key_of = operator.itemgetter(0)
 
 
 def rank_at(ranks: list[float], age_ticks: int) -> float:
@@ -42,160 +49,172 @@ def rank_at(ranks: list[float], age_ticks: int) -> float:
 def evict_in_place(
     mains: list[OrderedDict[bytes, int]],
     n: int,
-    guard: Collection[bytes],
-    tables: list[list[float]],
-    now: int,
+    guard: AbstractSet[bytes],
+    ranking: Callable[[], tuple[list[list[float]], list[list[float]], int]],
     orders: Sequence[RecencyOrder],
     ghosts: list[tuple[bytes, int]] | None = None,
 ) -> list[bytes] | None:
     """``ChainPolicy.evict`` where no list has a key pinned in place or released: each
-    ``_main`` is in stamp order, so its head is its next victim. Each list's next victim is
-    looked at where it is; the chosen list's keys are popped from its head; those popped and
-    not taken (protected, or the key that ended a run) go back to its head in their order, and
-    every popped key if ``n`` cannot be found. The victims taken from the shared list, with
-    their stamps, are added to ``ghosts``."""
-    lists = range(len(mains))
-    kept: list[list[tuple[bytes, int]]] = [[] for _ in lists]  # popped, not taken (in order)
-    took: list[list[tuple[bytes, int]]] = [[] for _ in lists]
-    runs: list[tuple[int, int]] = []  # (list, how many): the victims' order
-    pending: list[tuple[bytes, int] | None] = [None for _ in lists]
-    popped = [False for _ in lists]  # whether pending[c] was popped (else still at the head)
-    ranked = [0.0 for _ in lists]
-    for c in lists:
-        for entry in mains[c].items():  # looked at, not popped
-            if entry[0] not in guard:
-                pending[c] = entry
-                ranked[c] = rank_at(tables[c], now - entry[1])
+    ``_main`` is in stamp order, so its unprotected keys from the head are its next victims.
+    The lists are read where they are (an iterator each, nothing moved while searching): runs
+    of victims from the list whose next key ranks lowest, the rank computed only for keys not
+    surely older than the point where it crosses the best of the others' (``ranking`` gives
+    the tables, negated too, and the clock: asked only where two lists have keys). The victims
+    are then deleted; none if ``n`` cannot be found. Those of the shared list, with their
+    stamps, are added to ``ghosts``."""
+    live = [c for c in range(len(mains)) if mains[c]]
+    if len(live) == 1:  # one list to take from: its oldest go, no rank needed
+        only = live[0]
+        entries = _first_unguarded(iter(mains[only].items()), n, guard)
+        if len(entries) < n:
+            return None
+        return _delete(mains, orders, [(only, entries)], ghosts)
+    tables, negated, now = ranking()  # lists compete: ranks needed
+    readers = [iter(mains[c].items()) for c in live]
+    # Per live list (by position in ``live``): its next victim (unprotected) and its rank.
+    ahead: list[tuple[bytes, int] | None] = [None] * len(live)
+    ranked = [2.0] * len(live)
+    for i, c in enumerate(live):
+        for head in readers[i]:
+            if head[0] not in guard:
+                ahead[i] = head
+                ranked[i] = rank_at(tables[c], now - head[1])
                 break
+    runs: list[tuple[int, list[tuple[bytes, int]]]] = []  # (list, its entries): victim order
     wanted = n
     while wanted:
-        side, others = -1, 0
-        for c in lists:
-            ahead = pending[c]
-            if ahead is not None:
-                if side < 0:
-                    side = c
-                    continue
-                others += 1
-                low = pending[side]
-                assert low is not None
-                if (ranked[c], ahead[1]) < (ranked[side], low[1]):
-                    side = c
+        # The lowest (rank, stamp) of the lists' next victims, and the next lowest: the bound.
+        side = bound = -1
+        for i, candidate in enumerate(ahead):
+            if candidate is None:
+                continue
+            if side < 0:
+                side = i
+                continue
+            low = ahead[side]
+            assert low is not None
+            if (ranked[i], candidate[1]) < (ranked[side], low[1]):
+                side, bound = i, side
+            elif bound < 0:
+                bound = i
+            else:
+                other = ahead[bound]
+                assert other is not None
+                if (ranked[i], candidate[1]) < (ranked[bound], other[1]):
+                    bound = i
         if side < 0:
             break
-        main, out, aside = mains[side], took[side], kept[side]
-        popitem = main.popitem
-        chosen = pending[side]
+        chosen = ahead[side]
         assert chosen is not None
-        if popped[side]:
-            out.append(chosen)
-        else:  # pop it (and the protected keys before it)
-            while (entry := popitem(False))[0] in guard:
-                aside.append(entry)
-            out.append(entry)
-        pending[side], popped[side] = None, False
-        count = 1
-        if not others:  # the rest from this list, oldest first
-            if not guard and len(main) >= wanted - 1:  # the usual case: a plain take
-                out += [popitem(False) for _ in range(wanted - 1)]
-                count = wanted
-            else:
-                while count < wanted and main:
-                    entry = popitem(False)
-                    if entry[0] in guard:
-                        aside.append(entry)
-                    else:
-                        out.append(entry)
-                        count += 1
-            wanted -= count
-            runs.append((side, count))
+        ahead[side] = None
+        run = [chosen]
+        runs.append((live[side], run))
+        wanted -= 1
+        reader = readers[side]
+        if bound < 0:  # the rest from this list, oldest first
+            more = _first_unguarded(reader, wanted, guard)
+            run += more
+            wanted -= len(more)
             break
-        bound_rank, bound_stamp = 2.0, 0
-        for c in lists:
-            other = pending[c]
-            if other is not None and (ranked[c], other[1]) < (bound_rank, bound_stamp):
-                bound_rank, bound_stamp = ranked[c], other[1]
-        table = tables[side]
-        surely = sure_stamp(table, bound_rank, bound_stamp, now)
-        while count < wanted and main:  # while it ranks below the others'
-            entry = popitem(False)
+        bounding = ahead[bound]
+        assert bounding is not None
+        bound_rank, bound_stamp = ranked[bound], bounding[1]
+        table = tables[live[side]]
+        surely = sure_stamp(table, bound_rank, bound_stamp, now, negated[live[side]])
+        while wanted:  # while it ranks below the others' best
+            entry = next(reader, None)
+            if entry is None:
+                break
             if entry[0] in guard:
-                aside.append(entry)
                 continue
             stamp = entry[1]
             if stamp > surely:  # not surely old enough: ranked
                 value = rank_at(table, now - stamp)
                 if value > bound_rank or (value == bound_rank and stamp >= bound_stamp):
-                    pending[side], popped[side], ranked[side] = entry, True, value
+                    ahead[side], ranked[side] = entry, value
                     break
-            out.append(entry)
-            count += 1
-        wanted -= count
-        runs.append((side, count))
-    found_all = not wanted
-    for c in lists:
-        back = kept[c]
-        if popped[c]:
-            back.append(pending[c])  # type: ignore[arg-type]  # the last popped of its list
-        if found_all:
-            orders[c].size -= len(took[c])
-        else:
-            back = sorted(back + took[c], key=lambda entry: entry[1])
-        if back:
-            main = mains[c]
-            for key, stamp in reversed(back):  # back at the head, in their order
-                main[key] = stamp
-                main.move_to_end(key, last=False)
-    if not found_all:
+            run.append(entry)
+            wanted -= 1
+    if wanted:
         return None
-    if ghosts is not None:
-        ghosts += took[SHARED]
-    if len(runs) == 1:
-        return [entry[0] for entry in took[runs[0][0]]]
-    starts = [0 for _ in lists]
+    return _delete(mains, orders, runs, ghosts)
+
+
+def _first_unguarded(
+    reader: Iterator[tuple[bytes, int]], n: int, guard: AbstractSet[bytes]
+) -> list[tuple[bytes, int]]:
+    """Up to ``n`` entries of ``reader`` whose keys ``guard`` does not hold, in order."""
+    found = list(itertools.islice(reader, n))
+    if not guard or guard.isdisjoint(map(_key_of, found)):  # the usual case: none protected
+        return found
+    found = [entry for entry in found if entry[0] not in guard]
+    if len(found) < n:
+        for entry in reader:
+            if entry[0] not in guard:
+                found.append(entry)
+                if len(found) == n:
+                    break
+    return found
+
+
+def _delete(
+    mains: list[OrderedDict[bytes, int]],
+    orders: Sequence[RecencyOrder],
+    runs: list[tuple[int, list[tuple[bytes, int]]]],
+    ghosts: list[tuple[bytes, int]] | None,
+) -> list[bytes]:
+    """Delete the runs' entries from their lists (the readers are done with them); their keys,
+    in the runs' order. The shared list's, with their stamps, are added to ``ghosts``."""
     victims: list[bytes] = []
-    for c, count in runs:
-        victims += [entry[0] for entry in took[c][starts[c] : starts[c] + count]]
-        starts[c] += count
+    for c, entries in runs:
+        keys = list(map(_key_of, entries))
+        any(map(mains[c].__delitem__, keys))  # a loop in C: each call returns None
+        orders[c].size -= len(keys)
+        victims += keys
+        if c == SHARED and ghosts is not None:
+            ghosts += entries
     return victims
 
 
-def sure_stamp(table: list[float], bound_rank: float, bound_stamp: int, now: int) -> int:
+def sure_stamp(
+    table: list[float],
+    bound_rank: float,
+    bound_stamp: int,
+    now: int,
+    negated: list[float] | None = None,
+) -> int:
     """A stamp at or before which a block of ``table``'s class surely goes before a block
     ranked ``bound_rank`` with stamp ``bound_stamp`` (its rank falls with age: the age where it
     crosses, with a margin; where the class's last ranks equal ``bound_rank``, from the age
     they do so on, the older stamp); ``-1`` where no age does. Blocks newer than it are ranked
-    one by one."""
+    one by one. ``negated``: the table's ranks negated (:func:`negated_tables`), for a search
+    in C."""
     if table[0] < bound_rank:
         return now
     last = table[-1]
     if last > bound_rank:
         return -1
+    if negated is None:
+        negated = [-rank for rank in table]
     if last == bound_rank:  # ranks equal to the bound from knot ``high`` on, exactly
-        low, high = -1, len(table) - 1
-        while high - low > 1:
-            middle = (low + high) // 2
-            if table[middle] > bound_rank:
-                low = middle
-            else:
-                high = middle
+        high = bisect.bisect_left(negated, -bound_rank)  # the first rank <= the bound
         return min(now - math.ceil(2 ** (high / 2) - 1) - 1, bound_stamp - 1)
-    low, high = 0, len(table) - 1  # table[low] >= bound_rank > table[high]: non-increasing
-    while high - low > 1:
-        middle = (low + high) // 2
-        if table[middle] < bound_rank:
-            high = middle
-        else:
-            low = middle
-    above, below = table[low], table[high]
-    crossing = low + (above - bound_rank) / (above - below) + 1e-6  # in half-octaves
+    # table[high - 1] >= bound_rank > table[high]: the ranks do not increase.
+    high = bisect.bisect_right(negated, -bound_rank)
+    above, below = table[high - 1], table[high]
+    crossing = high - 1 + (above - bound_rank) / (above - below) + 1e-6  # in half-octaves
     return now - math.ceil(2 ** (crossing / 2) - 1)
+
+
+def negated_tables(tables: list[list[float]]) -> list[list[float]]:
+    """Each table's ranks negated: ascending, for :mod:`bisect` (made with the tables)."""
+    return [[-rank for rank in table] for table in tables]
 
 
 def evict_taking_ahead(
     orders: Sequence[RecencyOrder],
     n: int,
-    guard: Collection[bytes],
+    guard: AbstractSet[bytes],
     tables: list[list[float]],
     now: int,
     ghosts: list[tuple[bytes, int]] | None,

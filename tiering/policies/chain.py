@@ -99,7 +99,12 @@ from typing import ClassVar, NamedTuple
 from tiering.policies._chain_search import CLASSES as _CLASSES
 from tiering.policies._chain_search import LISTS as _LISTS
 from tiering.policies._chain_search import SHARED as _SHARED
-from tiering.policies._chain_search import evict_in_place, evict_taking_ahead, rank_at
+from tiering.policies._chain_search import (
+    evict_in_place,
+    evict_taking_ahead,
+    negated_tables,
+    rank_at,
+)
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
@@ -165,6 +170,7 @@ class ChainPolicy(ListsPolicy):
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # shared victims: key -> stamp
         self._to_shared: frozenset[bytes] = _NO_KEYS  # the noted request's ghosts
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
+        self._negated: list[list[float]] = []  # the tables' ranks negated, for bisect
         self._requests_since_tables = 0
         self._stored_since_halving = 0
         self._window_start = -1  # the clock when the counts last halved
@@ -407,7 +413,8 @@ class ChainPolicy(ListsPolicy):
         orders = self._lists
         if n > orders[0].evictable_count:  # of all the lists (partners)
             return None
-        tables, now = self._class_tables(), self._now()
+        if self._tables is None or self._requests_since_tables >= self._TABLE_REQUESTS:
+            self._class_tables()  # due: made at this eviction, whether or not lists compete
         first, second, third, shared = orders
         # The shared list's victims, with their stamps (none to look for in an empty list).
         ghosts: list[tuple[bytes, int]] | None = [] if shared.size else None
@@ -423,8 +430,9 @@ class ChainPolicy(ListsPolicy):
             or shared._rel
         ):
             mains = [order._main for order in orders]
-            victims = evict_in_place(mains, n, guard, tables, now, orders, ghosts)
+            victims = evict_in_place(mains, n, guard, self._ranking, orders, ghosts)
         else:
+            tables, _, now = self._ranking()
             victims = evict_taking_ahead(orders, n, guard, tables, now, ghosts)
         if victims is not None and ghosts:
             remembered = self._ghosts
@@ -442,6 +450,7 @@ class ChainPolicy(ListsPolicy):
         self._ghosts.clear()
         self._to_shared = _NO_KEYS
         self._tables = None
+        self._negated = []
         self._requests_since_tables = 0
         self._stored_since_halving = 0
         self._window_start = -1
@@ -462,6 +471,10 @@ class ChainPolicy(ListsPolicy):
         if found is None:
             found = self._request_set = frozenset(keys)
         return key in found
+
+    def _ranking(self) -> tuple[list[list[float]], list[list[float]], int]:
+        """The tables, negated too, and the clock: what ranking a list's blocks takes."""
+        return self._class_tables(), self._negated, self._now()
 
     def _sync_clocks(self) -> None:
         first, second, third, shared = self._lists
@@ -514,6 +527,7 @@ class ChainPolicy(ListsPolicy):
             knots = list(itertools.accumulate((weight / total for weight in weights), initial=0.0))
             tables.append(_rank_knots(share, knots, self._horizon_ticks()))
         self._tables = tables
+        self._negated = negated_tables(tables)
         return tables
 
 
