@@ -15,10 +15,17 @@ then, in steady state:
   (``popitem`` + insert for a store, ``in`` + ``move_to_end`` skipped for a lookup: a dict probe),
   the least any Python LRU can spend.
 
+Then, on traffic: the generated ``conversation`` and ``production`` traces (demo scale, seed 0)
+replayed through each CPU manager holding 5 % of the trace's unique blocks, every call a
+connector makes for a request in order: ``note_request``, ``lookup_prefix``, the hits loaded
+(``prepare_load``, ``touch``, ``complete_load``), the misses stored (``prepare_store``,
+``complete_store``); in microseconds per block referenced. The synthetic phases above put every
+block of a policy in one list; here a multi-list policy's lists compete, as they do in service.
+
 Keys are made in advance; one torch thread; median of repetitions, the managers measured in
 turn within each (ratios against LRU: the median of the repetitions' ratios).
 
-Usage: python benchmarks/bench_metadata.py [--quick] [--sizes 1000,10000,...]
+Usage: python benchmarks/bench_metadata.py [--quick] [--sizes 1000,10000,...] [--no-traces]
 """
 
 from __future__ import annotations
@@ -36,8 +43,13 @@ import torch
 from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
+from tiering.replay.study import capacities_for, study_trace_from_blocks
+from tiering.replay.workloads import workload_trace
 
 BATCH = 16
+#: The generated traces replayed, and the CPU tier's share of each one's unique blocks.
+TRACES = ("conversation", "production")
+TRACE_FRACTION = 0.05
 
 
 def _keys(start: int, count: int) -> list[OffloadKey]:
@@ -191,6 +203,77 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
     return rows
 
 
+def _replay_s(manager: CPUOffloadingManager, key_lists: list[list[OffloadKey]]) -> float:
+    """Seconds to replay ``key_lists`` through ``manager`` as a connector calls it."""
+    note, lookup_prefix = manager.note_request, manager.lookup_prefix
+    prepare_load, touch, complete_load = manager.prepare_load, manager.touch, manager.complete_load
+    prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    t0 = time.perf_counter()
+    for keys in key_lists:
+        note(keys)
+        hits = lookup_prefix(keys) or 0  # (None: a block in flight; stores complete at once)
+        if hits:
+            loaded = keys[:hits]
+            prepare_load(loaded)
+            touch(loaded)
+            complete_load(loaded)
+        if hits < len(keys):
+            out = prepare_store(keys[hits:])
+            if out is not None:
+                complete_store(out.keys_to_store)
+    return time.perf_counter() - t0
+
+
+def bench_trace(name: str, reps: int) -> list[dict[str, object]]:
+    """Each CPU manager of ``_MANAGERS`` replaying the generated trace ``name``, in turn within
+    each repetition (a fresh manager each time); ratios against LRU as in :func:`bench_size`."""
+    trace = study_trace_from_blocks(workload_trace(name, "demo", 0), 512)
+    key_lists = [[make_offload_key(key, 0) for key in keys] for keys in trace.key_lists]
+    references = sum(map(len, key_lists))
+    (capacity,) = capacities_for(trace.unique_blocks, (TRACE_FRACTION,))
+    pairs = [pair for pair in _MANAGERS if pair[0] == "cpu"]
+    times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+    for _ in range(reps):
+        for pair in pairs:
+            manager = _manager(*pair, capacity)
+            assert isinstance(manager, CPUOffloadingManager)
+            gc.collect()
+            gc.disable()
+            try:
+                times[pair].append(_replay_s(manager, key_lists) / references * 1e6)
+            finally:
+                gc.enable()
+    lru = times[("cpu", "lru")]
+    return [
+        {
+            "trace": name,
+            "policy": policy,
+            "capacity_blocks": capacity,
+            "blocks_referenced": references,
+            "us_per_block": round(statistics.median(times[(kind, policy)]), 3),
+            "vs_lru": round(
+                statistics.median(
+                    t / ref for t, ref in zip(times[(kind, policy)], lru, strict=True)
+                ),
+                2,
+            ),
+        }
+        for kind, policy in pairs
+    ]
+
+
+def _print_trace_table(rows: list[dict[str, object]]) -> None:
+    print(f"Replayed at {TRACE_FRACTION:.0%} of each trace's unique blocks (demo scale, seed 0):")
+    print()
+    print("| trace | policy | capacity blocks | blocks referenced | us per block | / LRU |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['trace']} | {r['policy']} | {r['capacity_blocks']:,} | "
+            f"{r['blocks_referenced']:,} | {r['us_per_block']} | {r['vs_lru']}x |"
+        )
+
+
 def _print_table(rows: list[dict[str, object]]) -> None:
     print(
         "| manager | policy | blocks | store us/block | store with reuse us/block | "
@@ -219,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 1e5, fewer ops")
     parser.add_argument("--sizes", help="comma-separated block counts")
+    parser.add_argument("--no-traces", action="store_true", help="skip the trace replays")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     gc.collect()
@@ -231,6 +315,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     reps = 3 if args.quick else 5
     rows = [row for size in sizes for row in bench_size(size, ops, reps)]
     _print_table(rows)
+    if not args.no_traces:
+        trace_rows = [row for name in TRACES for row in bench_trace(name, reps)]
+        print()
+        _print_trace_table(trace_rows)
+        rows += trace_rows
     return rows
 
 
