@@ -69,12 +69,13 @@ class ListsPolicy(EvictionPolicy):
         if not keys:
             return
         first = keys[0]
-        # Keys let go are pinned in place (any list will do) or parked in their own list;
-        # keys pinned are in their list's _main. One probe each, no call.
-        head = next(
-            (o for o in self._lists if first in (o._parked if evictable else o._main)),
-            self._lists[0],
-        )
+        # Keys let go are pinned in place (any list will do: a load's, the usual case) or
+        # parked in their own list; keys pinned are in their list's _main. One probe each.
+        head = self._lists[0]
+        if not (evictable and first in head._pinned_in_place):
+            head = next(
+                (o for o in self._lists if first in (o._parked if evictable else o._main)), head
+            )
         orders = [head, *(o for o in self._lists if o is not head)]
         changed: list[bytes] = []
         rest: Sequence[bytes] = keys

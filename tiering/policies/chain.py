@@ -384,7 +384,7 @@ class ChainPolicy(ListsPolicy):
                 self._delays[c] = [count / 2 for count in self._delays[c]]
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
-        if evictable and len(keys) > 1:
+        if evictable and len(keys) > 1 and keys[0] not in self._lists[0]._pinned_in_place:
             # A request's blocks were stored deepest first (stamps falling along the prefix):
             # let go in stamp order, each goes back in its place (none released out of order,
             # which would cost every later victim search a heap).
