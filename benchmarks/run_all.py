@@ -121,8 +121,10 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Microseconds per stored block (eviction included; alone, and in requests that reuse "
         "the previous request's blocks) and per lookup, and their growth (targets: 2 us per "
         "stored block, 0.5 us per lookup, growth 2x or less; a policy's metadata 1.5x LRU's "
-        "or less). The managers are measured in turn within each repetition; a ratio against "
-        "LRU is the median of the repetitions' ratios.",
+        "or less); then per block referenced, replaying the generated conversation and "
+        "production traces with every call a connector makes, where a multi-list policy's "
+        "lists compete. The managers are measured in turn within each repetition; a ratio "
+        "against LRU is the median of the repetitions' ratios.",
         (),
     ),
     (

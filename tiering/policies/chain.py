@@ -79,12 +79,13 @@ rank alike and the older head goes: it is LRU, victim for victim (tested).
 Cost: four :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
 per key of each noted request up to its deepest tail and a set of its keys (and one in the
 ghosts, when there are any), an ordered dict of tails, another of ghosts; per use of a key the
-shared list holds, a dict probe and a logarithm; victims popped from the lists' heads in runs
+shared list holds, a dict probe and a logarithm; victims read from the lists' heads in runs
 (:mod:`~tiering.policies._chain_search`), a logarithm only for those near the point where one
 list's rank crosses another's (past a class's delays, where ranks are equal, the older stamp
 goes without one); the ranks computed again (four lists x 64 ages) once every
-``_TABLE_REQUESTS`` requests. Per stored block, LRU's metadata times 1.1-1.25 storing new
-blocks and about 1.5 in requests that reuse blocks (``benchmarks/bench_metadata.py``).
+``_TABLE_REQUESTS`` requests. Per stored block, LRU's metadata times 1.1-1.2 storing new
+blocks and 1.45-1.5 in requests that reuse blocks; per block referenced on traffic, where the
+lists compete, 1.7-1.9 (ARC: 1.35) (``benchmarks/bench_metadata.py``).
 """
 
 from __future__ import annotations
