@@ -499,6 +499,50 @@ def test_victims_and_lists_match_the_reference(
     assert list(policy)[: len(policy)] == _reference_order(ref)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=_conversations,
+    capacity=st.integers(4, 12),
+    protect=st.lists(st.integers(0, 11), max_size=8),
+    extra=st.integers(0, 3),
+)
+def test_both_searches_take_the_same_victims_whatever_is_protected(
+    steps: list[tuple[int, int, bool]], capacity: int, protect: list[int], extra: int
+) -> None:
+    """The plain search (lists read in place, victims deleted after) and the general one agree
+    on the victims, on None where too few keys are unprotected, and on what is left, with
+    protected keys anywhere in the lists (the heads included) and every list count."""
+    plain, general = ChainPolicy(capacity), _SearchedTheGeneralWay(capacity)
+    histories: dict[int, list[bytes]] = {}
+    fresh = 1000
+    for conversation, new_blocks, restart in steps:
+        history = [] if restart else histories.get(conversation, [])
+        new = [k(fresh + i) for i in range(new_blocks)]
+        fresh += new_blocks
+        root = _ROOT if conversation % 2 == 0 else []
+        own = (history + new)[-(capacity - len(root)) :]
+        histories[conversation] = own
+        request = root + own
+        missing = [key for key in request if key not in plain]
+        for policy in (plain, general):
+            policy.note_request(request)
+            if len(missing) < len(request):
+                policy.touch(request)
+        shortfall = len(plain) + len(missing) - capacity
+        if shortfall > 0:
+            assert plain.evict(shortfall, set(request)) == general.evict(shortfall, set(request))
+        for policy in (plain, general):
+            policy.insert_new(missing)
+    held = list(plain)
+    guard = {held[i] for i in protect if i < len(held)}
+    wanted = len(held) - len(guard) + 1 - extra  # from one too many down to a few less
+    if wanted > 0:
+        victims = plain.evict(wanted, guard)
+        assert victims == general.evict(wanted, guard)
+        assert (victims is None) == (wanted > len(held) - len(guard))
+    assert [plain.list_keys(c) for c in range(4)] == [general.list_keys(c) for c in range(4)]
+
+
 def _reference_order(ref: Reference) -> list[bytes]:
     order = []
     while any(ref.lists):

@@ -1,8 +1,9 @@
 """The victim searches of :class:`~tiering.policies.chain.ChainPolicy`: where its lists are
 plain (no key pinned in place or released, the usual case): runs of victims from the list whose
-oldest key ranks lowest, popped from the ``OrderedDict`` heads, the rank computed only for keys
-not surely older than the point where the list's rank crosses the others'; and where they
-are not, each list's next victim taken ahead, one at a time."""
+oldest key ranks lowest, read in place from the ``OrderedDict`` heads and deleted once all are
+found, the rank computed only for keys not surely older than the point where the list's rank
+crosses the others'; and where they are not, each list's next victim taken ahead, one at a
+time."""
 
 from __future__ import annotations
 
