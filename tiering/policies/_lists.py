@@ -76,14 +76,15 @@ class ListsPolicy(EvictionPolicy):
             head = next(
                 (o for o in self._lists if first in (o._parked if evictable else o._main)), head
             )
-        orders = [head, *(o for o in self._lists if o is not head)]
-        changed: list[bytes] = []
-        rest: Sequence[bytes] = keys
-        for order in orders:
-            changed_here, rest = order.set_evictable_each(rest, evictable)
-            changed += changed_here
-            if not rest:
-                return
+        changed, rest = head.set_evictable_each(keys, evictable)
+        if not rest:
+            return  # all of the first key's list, or pinned in place: the usual case
+        for order in self._lists:
+            if order is not head:
+                changed_here, rest = order.set_evictable_each(rest, evictable)
+                changed += changed_here
+                if not rest:
+                    return
         # Undo: each changed key is held (in place, parked, or back in its list's _main).
         undo: Sequence[bytes] = changed
         for order in self._lists:
