@@ -45,7 +45,7 @@ class Reference:
         self.capacity = capacity
         self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(4)]
         self.clock = -1  # the last tick given
-        self.tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self.tails: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.to_shared: set[bytes] = set()
         self.requests = [0.0] * 4
@@ -74,16 +74,21 @@ class Reference:
         found = next((key for key in reversed(keys) if key in self.tails), None)
         cls = 0
         if found is not None:
-            old_cls, at = self.tails.pop(found)
-            cls = min(2, old_cls + 1)
+            old_cls, at, depth = self.tails.pop(found)
             self.continued[old_cls] += 1
             self.delays[old_cls][int(2 * math.log2(self.clock - at + 1))] += 1
+            if depth <= 4:  # a continuation; deeper, a branch: class 0, found as any key
+                cls = min(2, old_cls + 1)
+            else:
+                found = None
         self.requests[cls] += 1
         self.since += 1
-        for key in keys[-2:]:
-            if key == found or not self.held(key):
-                self.tails[key] = (cls, self.clock)
-                self.tails.move_to_end(key)
+        for depth in (64, 32, 16, 8, 4, 2, 1):  # the deepest first, the last half or 2 keys
+            if depth <= min(len(keys), max(2, len(keys) // 2)):
+                key = keys[-depth]
+                if key == found or not self.held(key):
+                    self.tails[key] = (cls, self.clock, depth)
+                    self.tails.move_to_end(key)
         while len(self.tails) > 4 * self.capacity:
             self.tails.popitem(last=False)
         self.request = (cls, set(keys))
@@ -249,15 +254,36 @@ def test_a_continuation_moves_up_a_class_and_learns_the_delay() -> None:
 
 def test_a_document_asked_about_again_continues_at_its_last_block() -> None:
     """A question that fills a block of its own hides the document's last block: the
-    second-to-last key is a tail too."""
+    second-to-last key is a tail too (deeper ones only in a request's second half)."""
     policy = ChainPolicy(100)
     document = [k(0), k(1), k(2)]
     policy.note_request([*document, k(50)])
     policy.insert_new([*document, k(50)])
-    assert policy.tail_keys == (k(2), k(50))
+    assert policy.tail_keys == (k(2), k(50))  # depth 4 is k(0), in the first half: no tail
     policy.note_request([*document, k(60)])  # continues k(2); k(60) is new, k(2) its own again
     assert policy.tail_keys == (k(50), k(2), k(60))
     assert policy.class_stats[1].requests == 1
+
+
+def test_a_question_far_from_the_shared_point_is_a_branch() -> None:
+    """Through a tail more than 4 keys from its request's end (a question of many small blocks
+    about a document) a request branches: the continued class learns a continuation, the
+    request is class 0 and what it uses is shared."""
+    policy = ChainPolicy(100)
+    document = [k(i) for i in range(8)]
+    first = [*document, *(k(100 + i) for i in range(8))]  # a question of 8 blocks
+    policy.note_request(first)
+    policy.insert_new(first)
+    assert policy.tail_keys == (k(100), k(104), k(106), k(107))  # depths 8, 4, 2, 1
+    second = [*first[:9], *(k(300 + i) for i in range(6))]  # holds k(100), 8 deep in first
+    policy.note_request(second)
+    policy.touch(second[:9])
+    policy.insert_new(second[9:])
+    stats = policy.class_stats
+    assert (stats[0].requests, stats[0].continued, stats[1].requests) == (2, 1, 0)
+    assert policy.list_keys(3) == tuple(reversed(second[:9]))  # what it used: shared
+    # k(100) is forgotten (found, then held: a tail only as any other key)
+    assert policy.tail_keys == (k(104), k(106), k(107), k(302), k(304), k(305))
 
 
 def test_a_shared_prefix_held_before_is_nobodys_tail() -> None:
@@ -445,10 +471,19 @@ def test_clear_forgets_what_was_learned() -> None:
 
 # -- lockstep with the reference -------------------------------------------------------------
 
+# (conversation, new blocks, how: 0 goes on, 1 starts over, 2 branches from 3/4 of it)
 _conversations = st.lists(
-    st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()), min_size=1, max_size=60
+    st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 2)), min_size=1, max_size=60
 )
 _ROOT = [k(1), k(2)]  # a system prompt the even conversations share
+
+
+def _history(histories: dict[int, list[bytes]], conversation: int, how: int) -> list[bytes]:
+    """What a request of ``conversation`` starts from: all of its last request, nothing, or
+    its first three quarters (another question about a document: a branch where the tail
+    found is more than 4 keys deep)."""
+    history = histories.get(conversation, [])
+    return history if how == 0 else [] if how == 1 else history[: len(history) * 3 // 4]
 
 
 class _SearchedTheGeneralWay(ChainPolicy):
@@ -457,17 +492,17 @@ class _SearchedTheGeneralWay(ChainPolicy):
 
 @pytest.mark.parametrize("policy_class", [ChainPolicy, _SearchedTheGeneralWay])
 @settings(max_examples=150, deadline=None)
-@given(steps=_conversations, capacity=st.integers(4, 12))
+@given(steps=_conversations, capacity=st.integers(4, 40))
 def test_victims_and_lists_match_the_reference(
-    policy_class: type[ChainPolicy], steps: list[tuple[int, int, bool]], capacity: int
+    policy_class: type[ChainPolicy], steps: list[tuple[int, int, int]], capacity: int
 ) -> None:
     """Conversations that go on or start over, half of them after a shared system prompt, as
     the study drives a policy; both searches."""
     policy, ref = policy_class(capacity), Reference(capacity)
     histories: dict[int, list[bytes]] = {}
     fresh = 1000
-    for conversation, new_blocks, restart in steps:
-        history = [] if restart else histories.get(conversation, [])
+    for conversation, new_blocks, how in steps:
+        history = _history(histories, conversation, how)
         new = [k(fresh + i) for i in range(new_blocks)]
         fresh += new_blocks
         root = _ROOT if conversation % 2 == 0 else []
@@ -502,12 +537,12 @@ def test_victims_and_lists_match_the_reference(
 @settings(max_examples=150, deadline=None)
 @given(
     steps=_conversations,
-    capacity=st.integers(4, 12),
+    capacity=st.integers(4, 40),
     protect=st.lists(st.integers(0, 11), max_size=8),
     extra=st.integers(0, 3),
 )
 def test_both_searches_take_the_same_victims_whatever_is_protected(
-    steps: list[tuple[int, int, bool]], capacity: int, protect: list[int], extra: int
+    steps: list[tuple[int, int, int]], capacity: int, protect: list[int], extra: int
 ) -> None:
     """The plain search (lists read in place, victims deleted after) and the general one agree
     on the victims, on None where too few keys are unprotected, and on what is left, with
@@ -515,8 +550,8 @@ def test_both_searches_take_the_same_victims_whatever_is_protected(
     plain, general = ChainPolicy(capacity), _SearchedTheGeneralWay(capacity)
     histories: dict[int, list[bytes]] = {}
     fresh = 1000
-    for conversation, new_blocks, restart in steps:
-        history = [] if restart else histories.get(conversation, [])
+    for conversation, new_blocks, how in steps:
+        history = _history(histories, conversation, how)
         new = [k(fresh + i) for i in range(new_blocks)]
         fresh += new_blocks
         root = _ROOT if conversation % 2 == 0 else []

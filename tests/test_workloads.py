@@ -241,6 +241,47 @@ def test_arc_is_above_lru_on_generated_conversations_as_on_the_public_trace() ->
     assert 0.05 < share < 0.2
 
 
+@pytest.mark.parametrize("block_tokens", [16, 100])
+def test_a_generated_trace_in_smaller_blocks_is_the_same_prompts(block_tokens: int) -> None:
+    """Blocks of 16 tokens (the Qwen-Bailian traces, vLLM's GPU blocks) split the same
+    prompts, sent at the same times: one id per block, the partial last one a fresh id."""
+    coarse = workload_trace("documents", "tiny", seed=2)
+    assert workload_trace("documents", "tiny", seed=2, block_tokens=512) == coarse
+    fine = workload_trace("documents", "tiny", seed=2, block_tokens=block_tokens)
+    assert [(r.arrival_s, r.input_tokens) for r in fine] == [
+        (r.arrival_s, r.input_tokens) for r in coarse
+    ]
+    assert all(len(r.block_ids) == -(-r.input_tokens // block_tokens) for r in fine)
+    # A prompt's full blocks are another's where the prompts share those tokens: the 16-token
+    # study shares at least the blocks inside the 512-token study's shared prefixes.
+    assert block_summary(fine)["reuse_ratio"] >= block_summary(coarse)["reuse_ratio"]
+
+
+@pytest.mark.parametrize("block_tokens", [0, -16, 1.5, True])
+def test_a_generated_trace_block_size_is_checked(block_tokens: object) -> None:
+    from tiering.errors import ConfigurationError
+
+    with pytest.raises(
+        ConfigurationError, match=f"block_tokens must be an int > 0, got {block_tokens!r}"
+    ):
+        workload_trace("documents", "tiny", block_tokens=block_tokens)  # type: ignore[arg-type]
+
+
+def test_cli_policy_study_generates_in_the_given_block_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiering.yaml"
+    config.write_text(CONFIG)
+    args = ["policy-study", "--config", str(config), "--trace", "conversation", "--scale", "tiny"]
+    options = ["--policies", "lru", "--sizes", "0.05", "--max-requests", "200", "--json"]
+    counts = []
+    for block_tokens in ("512", "16"):
+        assert cli_main([*args, *options, "--block-tokens", block_tokens]) == 0
+        (lru, _) = json.loads(capsys.readouterr().out)["policy_study"]
+        counts.append(lru["capacity_blocks"])
+    assert counts[1] > 20 * counts[0]  # 32 times the blocks, give or take the partial ones
+
+
 def test_generated_trace_names_are_checked() -> None:
     from tiering.errors import ConfigurationError
 

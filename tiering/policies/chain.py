@@ -18,16 +18,22 @@ prompt, a document others read):
 
 - **Requests.** :meth:`note_request` gives the policy a request's keys in prefix order before
   its stores (:meth:`note_finished_request` when the caller knows them only at the request's
-  end, as vLLM's drop-in does: the same, its blocks moved to its class then). The last
-  ``_TAIL_KEYS`` keys of every request are remembered as its *tails* (up to
-  ``_TAIL_CAPACITIES`` x capacity of them, the oldest forgotten first), with the request's
-  class and the time, except a key held before the request that it did not continue (a
-  prefix others share, such as a system prompt, is nobody's tail). Two keys, not one: a
-  question after a document often fills a block of its own, and the document's last block is
-  what the next question shares. A request whose keys hold a remembered tail continues that
-  request (the deepest one found; the tail is then forgotten, or remembered again as this
-  request's own): its class is one above the continued one's (at most 2), and the continued
-  class counts an extension after that delay.
+  end, as vLLM's drop-in does: the same, its blocks moved to its class then). Its keys at
+  depths ``_TAIL_DEPTHS`` (1, 2, 4, ..., 64) from its end, past the last two only those in
+  its second half (a request holding one shares most of it), are remembered as its *tails*
+  (up to ``_TAIL_CAPACITIES`` x capacity of them, the oldest forgotten first), with its
+  class, the time and the depth, except a key held before the request that it did not
+  continue (a prefix others share, such as a system prompt, is nobody's tail). A request
+  whose keys hold a remembered tail continues that request (the deepest one found; the tail
+  is then forgotten, or remembered again as this request's own), and the continued class
+  counts an extension after that delay. Through a tail at most ``_CONTINUE_DEPTH`` keys from
+  that request's end (a conversation's next turn; a question after a document, which shares
+  the document's last block, a key or two before the question's end), the request's class
+  is one above the continued one's (at most 2). Through a deeper one it is a *branch*, a
+  fresh prompt sharing a long prefix (another question about a document, in small blocks
+  where a question fills many): class 0, as a request that continues nothing. Tails at
+  depths, not only the last keys: in 16-token blocks the shared point is often many keys
+  before a request's end, and with the last two only chain lost to LRU on documents.
 - **Stores.** A noted request's new blocks go to its class, the deepest ranked oldest (a block
   is of no use without the blocks before it, so a request's blocks go from the deepest up),
   except its *ghosts* (below), which go back to the shared list; any other store goes to
@@ -106,6 +112,7 @@ from tiering.policies._chain_search import (
     negated_tables,
     rank_at,
 )
+from tiering.policies._chain_tails import Tails, remember_tails
 from tiering.policies._checks import (
     check_evict_count,
     check_insert_key,
@@ -141,8 +148,10 @@ class ChainPolicy(ListsPolicy):
 
     name = "chain"
 
-    #: The keys at a request's end remembered as its tails.
-    _TAIL_KEYS: ClassVar[int] = 2
+    #: Depths from a request's end (1: its last key) of the keys remembered as its tails.
+    _TAIL_DEPTHS: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64)
+    #: A continuation through a tail at most this deep raises the class; deeper: a branch.
+    _CONTINUE_DEPTH: ClassVar[int] = 4
     #: Tails remembered, in capacities.
     _TAIL_CAPACITIES: ClassVar[int] = 4
     #: Weight, in requests, of the pooled estimate each class's estimate starts from.
@@ -162,7 +171,7 @@ class ChainPolicy(ListsPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, _LISTS)
-        self._tails: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key: class, time
+        self._tails: Tails = OrderedDict()
         # Per class, then the shared list (its "requests" are waits, "continued" those a use
         # ended: of the keys it held, or of its ghosts).
         self._requests = [0.0] * _LISTS
@@ -209,7 +218,7 @@ class ChainPolicy(ListsPolicy):
         now = self._now()
         self._to_shared = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now)
-        self._remember_tails(keys, request_class, continued, self._lists, now)  # held before: no
+        self._remember(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
         self._request_keys = tuple(keys)
         self._request_set = None
@@ -227,7 +236,7 @@ class ChainPolicy(ListsPolicy):
         back = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now)
         # Not a block it used: one it stored is in class 0 (or gone).
-        self._remember_tails(keys, request_class, continued, lists[1:], now)
+        self._remember(keys, request_class, continued, lists[1:], now)
         self._sync_clocks()
         if back:  # stored again in class 0: the shared list's
             lists[_SHARED].gather_all([key for key in keys if key in back], lists[:1])
@@ -257,15 +266,18 @@ class ChainPolicy(ListsPolicy):
         found_key = next(filter(tails.__contains__, reversed(keys)), None)  # the deepest
         request_class = 0
         if found_key is not None:
-            continued_class, at = tails.pop(found_key)  # continued once from this turn
-            request_class = continued_class + 1 if continued_class < _CLASSES - 1 else _CLASSES - 1
+            continued_class, at, depth = tails.pop(found_key)  # continued once from this turn
             self._continued[continued_class] += 1
             self._delays[continued_class][delay_bin(now - at)] += 1
+            if depth <= self._CONTINUE_DEPTH:
+                request_class = min(continued_class + 1, _CLASSES - 1)
+            else:  # a branch: class 0, and the key is a tail only as any other key is
+                found_key = None
         self._requests[request_class] += 1
         self._requests_since_tables += 1
         return request_class, found_key
 
-    def _remember_tails(
+    def _remember(
         self,
         keys: Sequence[bytes],
         request_class: int,
@@ -273,23 +285,9 @@ class ChainPolicy(ListsPolicy):
         used_in: Sequence[RecencyOrder],
         now: int,
     ) -> None:
-        """Remember the last keys of a request as its tails: the one it continued, and those
-        no list of ``used_in`` holds (held there, a block others share)."""
-        tails = self._tails
-        entry = (request_class, now)
-        for key in keys[-self._TAIL_KEYS :]:
-            if key != continued:
-                for order in used_in:
-                    if key in order._main or key in order._parked:
-                        break
-                else:
-                    tails[key] = entry
-                    tails.move_to_end(key)
-            else:
-                tails[key] = entry  # forgotten by _classify: back as the newest
         limit = self._TAIL_CAPACITIES * max(self.capacity, 1)
-        while len(tails) > limit:
-            tails.popitem(last=False)
+        depths = self._TAIL_DEPTHS
+        remember_tails(self._tails, keys, depths, request_class, continued, used_in, now, limit)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
 

@@ -22,7 +22,12 @@ from tiering.core.hashing import PrefixHasher
 from tiering.errors import ConfigError
 from tiering.model.kv_tensors import allocate_kv_caches
 from tiering.observability.service import Observability
-from tiering.replay.block_trace import block_trace_format, read_block_trace, to_requests
+from tiering.replay.block_trace import (
+    DEFAULT_BLOCK_TOKENS,
+    block_trace_format,
+    read_block_trace,
+    to_requests,
+)
 from tiering.replay.progress import ProgressBar
 from tiering.replay.replay_report import build_report
 from tiering.replay.sim_engine import RequestResult, SimulatedEngine, engine_blocks_needed
@@ -76,11 +81,13 @@ def load_trace(
     from ``base_dir``): tiering's own format or a block trace, Mooncake's or Qwen-Bailian's
     (detected by its ``hash_ids``; ids of ``block_tokens`` tokens, by default the format's,
     expanded to tokens by :func:`~tiering.replay.block_trace.to_requests`). ``shape`` shapes
-    a generated trace (realistic names only; by default the calibrated shape)."""
+    a generated trace (realistic names only; by default the calibrated shape), generated in
+    blocks of ``block_tokens`` (by default 512)."""
     if shape is not None:
         check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
-        return list(to_requests(workload_trace(trace, scale, seed, shape)))
+        tokens = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
+        return list(to_requests(workload_trace(trace, scale, seed, shape, tokens), tokens))
     if is_trace_file(trace):
         path = Path(trace)
         if not path.is_absolute() and base_dir is not None:

@@ -66,7 +66,7 @@ def configure_parser(subparsers: Any) -> None:
         "--block-tokens",
         type=int,
         help="tokens per hash id of a block trace (default: the format's, 512 for Mooncake, "
-        "16 for Qwen-Bailian)",
+        "16 for Qwen-Bailian); a generated trace's block size (default: 512)",
     )
     parser.add_argument("--scale", help="built-in trace scale: tiny, demo, large")
     parser.add_argument("--seed", type=int, help="trace seed")

@@ -14,7 +14,8 @@ Traces: a block trace, Mooncake's or Qwen-Bailian's JSONL (``hash_ids`` of ``--b
 tokens, by default the format's: 512, 16; the study's blocks are those, or groups of them
 of ``--study-block-tokens``), tiering's own JSONL or a token-level built-in (hashed with the
 config's ``hash_block_size``: the study's blocks are hash blocks), or a realistic built-in
-(``conversation``, ``toolagent``, ``documents``, ``production``: 512-token blocks, or groups).
+(``conversation``, ``toolagent``, ``documents``, ``production``: generated in blocks of
+``--block-tokens``, 512 by default, or groups of them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tiering.config.workload_shape import format_shape
 from tiering.core.hashing import PrefixHasher
 from tiering.errors import TieringError
 from tiering.policies import available_policies, get_policy_class
-from tiering.replay.block_trace import block_trace_format, open_block_trace
+from tiering.replay.block_trace import DEFAULT_BLOCK_TOKENS, block_trace_format, open_block_trace
 from tiering.replay.study import (
     StudyTrace,
     TierModel,
@@ -69,9 +70,10 @@ def load_study_trace(
     if shape is not None:
         check_shape_applies(trace)
     if trace in WORKLOAD_TRACES:
-        group = ids_per_block(study_block_tokens, 512)
-        generated = workload_trace(trace, scale, seed, shape)[:max_requests]
-        return study_trace_from_blocks(generated, 512, group)
+        tokens = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
+        group = ids_per_block(study_block_tokens, tokens)
+        generated = workload_trace(trace, scale, seed, shape, tokens)[:max_requests]
+        return study_trace_from_blocks(generated, tokens, group)
     if is_trace_file(trace):
         path = Path(trace)
         if not path.is_file():
@@ -232,7 +234,7 @@ def configure_parser(subparsers: Any) -> None:
         "--block-tokens",
         type=int,
         help="tokens per hash id of a block trace (default: the format's, 512 for Mooncake, "
-        "16 for Qwen-Bailian)",
+        "16 for Qwen-Bailian); a generated trace's block size (default: 512)",
     )
     parser.add_argument(
         "--study-block-tokens",

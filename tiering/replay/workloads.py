@@ -27,7 +27,8 @@ production, following the published Mooncake traces (FAST'25) and their analyses
   requests follow its own think times.
 
 Every request is a :class:`~tiering.replay.block_trace.BlockRequest` of 512-token blocks, the
-Mooncake format: the study reads it directly, a replay expands it to tokens
+Mooncake format, or of ``block_tokens`` (16 as the Qwen-Bailian traces and vLLM's GPU blocks:
+the same prompts, for a seed): the study reads it directly, a replay expands it to tokens
 (:func:`~tiering.replay.block_trace.to_requests`). A prompt's partial last block gets an id of
 its own (its tokens differ from any longer prompt's), as in the Mooncake traces.
 
@@ -144,22 +145,24 @@ class _Ids:
 
 @dataclass
 class _Context:
-    """A prompt under construction: ids of its full blocks and the tokens of its partial one."""
+    """A prompt under construction: ids of its full blocks (of ``block_tokens`` tokens) and
+    the tokens of its partial one."""
 
     full: list[int]
     tail_tokens: int
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     def copy(self) -> _Context:
-        return _Context(list(self.full), self.tail_tokens)
+        return _Context(list(self.full), self.tail_tokens, self.block_tokens)
 
     def append(self, tokens: int, ids: _Ids) -> None:
         total = self.tail_tokens + tokens
-        self.full += ids.take(total // DEFAULT_BLOCK_TOKENS)
-        self.tail_tokens = total % DEFAULT_BLOCK_TOKENS
+        self.full += ids.take(total // self.block_tokens)
+        self.tail_tokens = total % self.block_tokens
 
     @property
     def tokens(self) -> int:
-        return len(self.full) * DEFAULT_BLOCK_TOKENS + self.tail_tokens
+        return len(self.full) * self.block_tokens + self.tail_tokens
 
     def block_ids(self, ids: _Ids) -> tuple[int, ...]:
         # The partial block's tokens are this prompt's own: a fresh id.
@@ -171,8 +174,9 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: float, high
 
 
 class _Generator:
-    def __init__(self, seed: int, shape: WorkloadShape) -> None:
+    def __init__(self, seed: int, shape: WorkloadShape, block_tokens: int) -> None:
         self.shape = shape
+        self.block_tokens = block_tokens
         self.rng = random.Random(seed)
         self.ids = _Ids()
         self.out: list[tuple[float, int, int, tuple[int, ...], str]] = []
@@ -190,7 +194,7 @@ class _Generator:
         self.sessions = 0
 
     def _root(self, tokens: int) -> _Context:
-        context = _Context([], 0)
+        context = _Context([], 0, self.block_tokens)
         context.append(tokens, self.ids)
         return context
 
@@ -305,10 +309,12 @@ def generate(
     requests_per_hour: float = _REQUESTS_PER_HOUR,
     seed: int = 0,
     shape: WorkloadShape | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> list[BlockRequest]:
     """Requests of ``mix`` and ``shape`` (``None``: the calibrated one) arriving over
     ``duration_s`` at about ``requests_per_hour`` (requests a session would send after
-    ``duration_s`` are dropped), by arrival time."""
+    ``duration_s`` are dropped), by arrival time, in blocks of ``block_tokens`` tokens (the
+    same prompts whatever the block size, for a seed)."""
     shares = {"conversation": mix.conversation, "agent": mix.agent, "document": mix.document}
     total = sum(shares.values())
     if total <= 0 or min(shares.values()) < 0:
@@ -317,7 +323,9 @@ def generate(
         raise ConfigurationError(
             f"duration_s and requests_per_hour must be > 0, got {duration_s}, {requests_per_hour}"
         )
-    gen = _Generator(seed, shape or _CALIBRATED)
+    if type(block_tokens) is not int or block_tokens <= 0:
+        raise ConfigurationError(f"block_tokens must be an int > 0, got {block_tokens!r}")
+    gen = _Generator(seed, shape or _CALIBRATED, block_tokens)
     kinds = [k for k, share in shares.items() if share > 0]
     weights = [shares[k] / total for k in kinds]
     per_session = sum(w * _REQUESTS_PER_SESSION[k] for k, w in zip(kinds, weights, strict=True))
@@ -338,10 +346,14 @@ def generate(
 
 
 def workload_trace(
-    name: str, scale: str = "demo", seed: int = 0, shape: WorkloadShape | None = None
+    name: str,
+    scale: str = "demo",
+    seed: int = 0,
+    shape: WorkloadShape | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> list[BlockRequest]:
     """The built-in realistic trace ``name`` at ``scale`` (see the module docstring), of
-    ``shape`` (``None``: the calibrated one)."""
+    ``shape`` (``None``: the calibrated one), in blocks of ``block_tokens`` tokens."""
     if name not in _MIXES:
         raise ConfigurationError(
             f"unknown realistic trace {name!r}; valid names: {', '.join(WORKLOAD_TRACES)}"
@@ -351,4 +363,6 @@ def workload_trace(
             f"unknown trace scale {scale!r}; valid scales: {', '.join(_SCALE_HOURS)}"
         )
     duration_s = 3_600.0 * _SCALE_HOURS[scale]
-    return generate(_MIXES[name], duration_s=duration_s, seed=seed, shape=shape)
+    return generate(
+        _MIXES[name], duration_s=duration_s, seed=seed, shape=shape, block_tokens=block_tokens
+    )
