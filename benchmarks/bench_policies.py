@@ -14,10 +14,12 @@ meets the targets: at every size no more than 0.2 points under max(LRU, ARC), an
 size 25 % of the gap closed; ``NO:`` names the targets missed (``floor``, ``gap``).
 
 Usage: python benchmarks/bench_policies.py [--quick] [--seeds 0,1] [--traces a,b] [--jobs N]
-[--files a.jsonl,b.jsonl [--block-tokens N] [--study-block-tokens N]]
+[--block-tokens N] [--files a.jsonl,b.jsonl [--block-tokens N] [--study-block-tokens N]]
 (``--quick``: the tiny scale, a tenth of the requests, a smoke run: hybrid's shadows watch
 for minutes only, so its figures say little of the policies; ``--jobs``: (policy, size) pairs
-studied at once in forked processes, by default one per CPU: it measures no time; ``--files``:
+studied at once in forked processes, by default one per CPU: it measures no time;
+``--block-tokens``: the generated traces in blocks of N tokens, the trace named ``name/N``, as
+an engine offloading 16-token blocks sees them (32 times the references of 512); ``--files``:
 block-trace files,
 Mooncake's or Qwen-Bailian's, judged by the same columns instead of the generated traces:
 how a held-out production trace is judged).
@@ -48,9 +50,12 @@ TOLERANCE = 0.002  # 0.2 points
 JUDGED = ("hybrid", "chain")
 
 
-def bench_trace(name: str, scale: str, seed: int, jobs: int = 1) -> list[dict[str, object]]:
-    trace = study_trace_from_blocks(workload_trace(name, scale, seed), 512)
-    return bench_study(trace, name, seed, jobs)
+def bench_trace(
+    name: str, scale: str, seed: int, jobs: int = 1, block_tokens: int = 512
+) -> list[dict[str, object]]:
+    generated = workload_trace(name, scale, seed, block_tokens=block_tokens)
+    trace = study_trace_from_blocks(generated, block_tokens)
+    return bench_study(trace, name if block_tokens == 512 else f"{name}/{block_tokens}", seed, jobs)
 
 
 def bench_file(
@@ -134,7 +139,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--seeds", default="0", help="trace seeds, comma separated")
     parser.add_argument("--traces", default=",".join(WORKLOAD_TRACES))
     parser.add_argument("--files", help="block-trace files, comma separated (not generated)")
-    parser.add_argument("--block-tokens", type=int, help="tokens per id (default: the format's)")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        help="tokens per id of a file (default: the format's), or of the generated traces "
+        "(default: 512)",
+    )
     parser.add_argument("--study-block-tokens", type=int, help="group ids into N-token blocks")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="pairs at once (default: CPUs)"
@@ -152,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, object]]:
             row
             for name in args.traces.split(",")
             for seed in (int(s) for s in args.seeds.split(","))
-            for row in bench_trace(name, scale, seed, args.jobs)
+            for row in bench_trace(name, scale, seed, args.jobs, args.block_tokens or 512)
         ]
     print_table(rows)
     return rows

@@ -41,8 +41,9 @@ class Reference:
     """The docstring's rule, plainly: four ordered dicts of key -> stamp (classes 0-2, then
     the shared list), tails, the shared list's ghosts, counts."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, reach: int = 32) -> None:
         self.capacity = capacity
+        self.reach = reach  # tails past the last two keys: in the last 1/reach of a request
         self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(4)]
         self.clock = -1  # the last tick given
         self.tails: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
@@ -83,8 +84,8 @@ class Reference:
                 found = None
         self.requests[cls] += 1
         self.since += 1
-        for depth in (64, 32, 16, 8, 4, 2, 1):  # the deepest first, the last half or 2 keys
-            if depth <= min(len(keys), max(2, len(keys) // 2)):
+        for depth in (64, 32, 16, 8, 4, 2, 1):  # the deepest first
+            if depth <= min(len(keys), max(2, len(keys) // self.reach)):
                 key = keys[-depth]
                 if key == found or not self.held(key):
                     self.tails[key] = (cls, self.clock, depth)
@@ -254,36 +255,37 @@ def test_a_continuation_moves_up_a_class_and_learns_the_delay() -> None:
 
 def test_a_document_asked_about_again_continues_at_its_last_block() -> None:
     """A question that fills a block of its own hides the document's last block: the
-    second-to-last key is a tail too (deeper ones only in a request's second half)."""
+    second-to-last key is a tail too (deeper ones only near the end of a long request)."""
     policy = ChainPolicy(100)
     document = [k(0), k(1), k(2)]
     policy.note_request([*document, k(50)])
     policy.insert_new([*document, k(50)])
-    assert policy.tail_keys == (k(2), k(50))  # depth 4 is k(0), in the first half: no tail
+    assert policy.tail_keys == (k(2), k(50))  # depth 4 is k(0), far from the end: no tail
     policy.note_request([*document, k(60)])  # continues k(2); k(60) is new, k(2) its own again
     assert policy.tail_keys == (k(50), k(2), k(60))
     assert policy.class_stats[1].requests == 1
 
 
 def test_a_question_far_from_the_shared_point_is_a_branch() -> None:
-    """Through a tail more than 4 keys from its request's end (a question of many small blocks
-    about a document) a request branches: the continued class learns a continuation, the
-    request is class 0 and what it uses is shared."""
-    policy = ChainPolicy(100)
-    document = [k(i) for i in range(8)]
-    first = [*document, *(k(100 + i) for i in range(8))]  # a question of 8 blocks
+    """In small blocks a question fills many, and the document's last block is keys from the
+    request's end: the keys at depths 1, 2, 4, ... in a request's last 1/32 are tails.
+    Through one more than 4 deep a request branches: the continued class learns a
+    continuation, the request is class 0 and what it uses is shared."""
+    policy = ChainPolicy(1000)
+    document = [k(i) for i in range(300)]
+    first = [*document, *(k(1000 + i) for i in range(8))]  # 308 keys: tails to depth 9
     policy.note_request(first)
     policy.insert_new(first)
-    assert policy.tail_keys == (k(100), k(104), k(106), k(107))  # depths 8, 4, 2, 1
-    second = [*first[:9], *(k(300 + i) for i in range(6))]  # holds k(100), 8 deep in first
+    assert policy.tail_keys == (k(1000), k(1004), k(1006), k(1007))  # depths 8, 4, 2, 1
+    second = [*first[:301], *(k(2000 + i) for i in range(6))]  # holds k(1000), 8 deep
     policy.note_request(second)
-    policy.touch(second[:9])
-    policy.insert_new(second[9:])
+    policy.touch(second[:301])
+    policy.insert_new(second[301:])
     stats = policy.class_stats
     assert (stats[0].requests, stats[0].continued, stats[1].requests) == (2, 1, 0)
-    assert policy.list_keys(3) == tuple(reversed(second[:9]))  # what it used: shared
-    # k(100) is forgotten (found, then held: a tail only as any other key)
-    assert policy.tail_keys == (k(104), k(106), k(107), k(302), k(304), k(305))
+    assert policy.list_keys(3) == tuple(reversed(second[:301]))  # what it used: shared
+    # k(1000) is forgotten (found, then held: a tail only as any other key); k(299) is held
+    assert policy.tail_keys == (k(1004), k(1006), k(1007), k(2002), k(2004), k(2005))
 
 
 def test_a_shared_prefix_held_before_is_nobodys_tail() -> None:
@@ -490,7 +492,11 @@ class _SearchedTheGeneralWay(ChainPolicy):
     _PLAIN_SEARCH = False  # the victim search of lists with pinned or released keys
 
 
-@pytest.mark.parametrize("policy_class", [ChainPolicy, _SearchedTheGeneralWay])
+class _ReachingHalfway(ChainPolicy):
+    _TAIL_REACH = 2  # tails in a request's second half: deep ones, and branches, in short requests
+
+
+@pytest.mark.parametrize("policy_class", [ChainPolicy, _SearchedTheGeneralWay, _ReachingHalfway])
 @settings(max_examples=150, deadline=None)
 @given(steps=_conversations, capacity=st.integers(4, 40))
 def test_victims_and_lists_match_the_reference(
@@ -498,7 +504,7 @@ def test_victims_and_lists_match_the_reference(
 ) -> None:
     """Conversations that go on or start over, half of them after a shared system prompt, as
     the study drives a policy; both searches."""
-    policy, ref = policy_class(capacity), Reference(capacity)
+    policy, ref = policy_class(capacity), Reference(capacity, policy_class._TAIL_REACH)
     histories: dict[int, list[bytes]] = {}
     fresh = 1000
     for conversation, new_blocks, how in steps:

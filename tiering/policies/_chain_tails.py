@@ -17,23 +17,23 @@ Tails = OrderedDict[bytes, tuple[int, int, int]]
 def remember_tails(
     tails: Tails,
     keys: Sequence[bytes],
-    depths: Sequence[int],
+    rule: tuple[Sequence[int], int, int],
     request_class: int,
     continued: bytes | None,
     used_in: Sequence[RecencyOrder],
     now: int,
-    limit: int,
 ) -> None:
     """Remember the keys of a request at ``depths`` from its end (``1``: its last key; the
-    deepest first) as its tails, past the last two only those in its second half (a request
-    holding one shares most of this one, as a continuation does; one in the first half may
-    be a prefix many requests start from): the one it ``continued``, and those no list of
-    ``used_in`` holds (held there, a block others share). The oldest are forgotten past
-    ``limit``."""
+    deepest first) as its tails, past the last two only those in its last 1/``reach_divisor``
+    (a request holding one then shares nearly all of this one, as a continuation does;
+    deeper, it may share a prefix many requests start from): the one it ``continued``, and
+    those no list of ``used_in`` holds (held there, a block others share). The oldest are
+    forgotten past ``limit``. ``rule`` is ``(depths, reach_divisor, limit)``."""
+    depths, reach_divisor, limit = rule
     count = len(keys)
-    reach = min(count, max(2, count // 2))  # past the last two, the second half only
+    reach = min(count, max(2, count // reach_divisor))
     for depth in reversed(depths):
-        if depth > reach:  # the first half: what others may start from (a system prompt)
+        if depth > reach:  # too far from the end: what others may start from
             continue
         key = keys[-depth]
         if key != continued:

@@ -20,7 +20,8 @@ prompt, a document others read):
   its stores (:meth:`note_finished_request` when the caller knows them only at the request's
   end, as vLLM's drop-in does: the same, its blocks moved to its class then). Its keys at
   depths ``_TAIL_DEPTHS`` (1, 2, 4, ..., 64) from its end, past the last two only those in
-  its second half (a request holding one shares most of it), are remembered as its *tails*
+  its last 1/``_TAIL_REACH`` (a 32nd: a request holding one shares nearly all of it; in
+  512-token blocks, the last two of a prompt under 64k tokens) are remembered as its *tails*
   (up to ``_TAIL_CAPACITIES`` x capacity of them, the oldest forgotten first), with its
   class, the time and the depth, except a key held before the request that it did not
   continue (a prefix others share, such as a system prompt, is nobody's tail). A request
@@ -150,6 +151,8 @@ class ChainPolicy(ListsPolicy):
 
     #: Depths from a request's end (1: its last key) of the keys remembered as its tails.
     _TAIL_DEPTHS: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64)
+    #: Tails past a request's last two keys are in its last 1/``_TAIL_REACH`` of keys.
+    _TAIL_REACH: ClassVar[int] = 32
     #: A continuation through a tail at most this deep raises the class; deeper: a branch.
     _CONTINUE_DEPTH: ClassVar[int] = 4
     #: Tails remembered, in capacities.
@@ -285,9 +288,9 @@ class ChainPolicy(ListsPolicy):
         used_in: Sequence[RecencyOrder],
         now: int,
     ) -> None:
-        limit = self._TAIL_CAPACITIES * max(self.capacity, 1)
-        depths = self._TAIL_DEPTHS
-        remember_tails(self._tails, keys, depths, request_class, continued, used_in, now, limit)
+        """Remember the request's tails (:func:`remember_tails`)."""
+        rule = (self._TAIL_DEPTHS, self._TAIL_REACH, self._TAIL_CAPACITIES * max(self.capacity, 1))
+        remember_tails(self._tails, keys, rule, request_class, continued, used_in, now)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
 
