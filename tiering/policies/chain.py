@@ -83,8 +83,9 @@ at while the shared list was built; nothing in it was set on them): within 0.2 p
 seed 0; the fourteenth session's tails at depths) within 0.2 points at 19 of 20 points (the
 same agent miss, 0.28), and on documents 0.1-1.3 points over the better of LRU and ARC where
 the last two keys as tails left it 0.43 and 0.53 under ARC at 5 and 10 %. Told no requests
-(a manager that does not know them) every new block goes to class 0, nothing is shared and no class learns anything, so they
-rank alike and the older head goes: it is LRU, victim for victim (tested).
+(a manager that does not know them) every new block goes to class 0, nothing is shared and no
+class learns anything, so they rank alike and the older head goes: it is LRU, victim for
+victim (tested).
 
 Cost: four :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
 per key of each noted request up to its deepest tail and a set of its keys (and one in the
