@@ -21,6 +21,10 @@ connector makes for a request in order: ``note_request``, ``lookup_prefix``, the
 (``prepare_load``, ``touch``, ``complete_load``), the misses stored (``prepare_store``,
 ``complete_store``); in microseconds per block referenced. The synthetic phases above put every
 block of a policy in one list; here a multi-list policy's lists compete, as they do in service.
+Each trace is replayed twice: every copy done before the next request, and with the copies in
+flight as a connector has them across a step (a request's loads and stores complete after the
+next request's stores are made ready: its loaded blocks pinned, its stored blocks not yet
+evictable, and let go out of the order they were stamped in).
 
 Keys are made in advance; one torch thread; median of repetitions, the managers measured in
 turn within each (ratios against LRU: the median of the repetitions' ratios).
@@ -203,24 +207,44 @@ def bench_size(num_blocks: int, ops: int, reps: int) -> list[dict[str, object]]:
     return rows
 
 
-def _replay_s(manager: CPUOffloadingManager, key_lists: list[list[OffloadKey]]) -> float:
-    """Seconds to replay ``key_lists`` through ``manager`` as a connector calls it."""
+def _replay_s(
+    manager: CPUOffloadingManager, key_lists: list[list[OffloadKey]], in_flight: bool
+) -> float:
+    """Seconds to replay ``key_lists`` through ``manager`` as a connector calls it; with
+    ``in_flight``, a request's loads and stores complete after the next request's stores are
+    made ready."""
     note, lookup_prefix = manager.note_request, manager.lookup_prefix
     prepare_load, touch, complete_load = manager.prepare_load, manager.touch, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    loading: list[OffloadKey] = []
+    storing: list[OffloadKey] = []
     t0 = time.perf_counter()
     for keys in key_lists:
         note(keys)
-        hits = lookup_prefix(keys) or 0  # (None: a block in flight; stores complete at once)
+        hits = lookup_prefix(keys) or 0  # (None: a block in flight)
+        loaded = keys[:hits]
         if hits:
-            loaded = keys[:hits]
             prepare_load(loaded)
             touch(loaded)
-            complete_load(loaded)
+            if not in_flight:
+                complete_load(loaded)
+        stored: list[OffloadKey] = []
         if hits < len(keys):
             out = prepare_store(keys[hits:])
             if out is not None:
-                complete_store(out.keys_to_store)
+                stored = out.keys_to_store
+                if not in_flight:
+                    complete_store(stored)
+        if in_flight:
+            if loading:
+                complete_load(loading)
+            if storing:
+                complete_store(storing)
+            loading, storing = loaded, stored
+    if loading:
+        complete_load(loading)
+    if storing:
+        complete_store(storing)
     return time.perf_counter() - t0
 
 
@@ -232,45 +256,60 @@ def bench_trace(name: str, reps: int) -> list[dict[str, object]]:
     references = sum(map(len, key_lists))
     (capacity,) = capacities_for(trace.unique_blocks, (TRACE_FRACTION,))
     pairs = [pair for pair in _MANAGERS if pair[0] == "cpu"]
-    times: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+    modes = (False, True)  # copies done at once; in flight
+    times: dict[tuple[str, str, bool], list[float]] = {
+        (*pair, mode): [] for pair in pairs for mode in modes
+    }
     for _ in range(reps):
-        for pair in pairs:
-            manager = _manager(*pair, capacity)
-            assert isinstance(manager, CPUOffloadingManager)
-            gc.collect()
-            gc.disable()
-            try:
-                times[pair].append(_replay_s(manager, key_lists) / references * 1e6)
-            finally:
-                gc.enable()
-    lru = times[("cpu", "lru")]
-    return [
-        {
-            "trace": name,
-            "policy": policy,
-            "capacity_blocks": capacity,
-            "blocks_referenced": references,
-            "us_per_block": round(statistics.median(times[(kind, policy)]), 3),
-            "vs_lru": round(
-                statistics.median(
-                    t / ref for t, ref in zip(times[(kind, policy)], lru, strict=True)
-                ),
-                2,
-            ),
-        }
-        for kind, policy in pairs
-    ]
+        for mode in modes:
+            for pair in pairs:
+                manager = _manager(*pair, capacity)
+                assert isinstance(manager, CPUOffloadingManager)
+                gc.collect()
+                gc.disable()
+                try:
+                    seconds = _replay_s(manager, key_lists, mode)
+                finally:
+                    gc.enable()
+                times[(*pair, mode)].append(seconds / references * 1e6)
+
+    def per_block(kind: str, policy: str, mode: bool) -> tuple[float, float]:
+        mine, lru = times[(kind, policy, mode)], times[("cpu", "lru", mode)]
+        ratio = statistics.median(t / ref for t, ref in zip(mine, lru, strict=True))
+        return round(statistics.median(mine), 3), round(ratio, 2)
+
+    rows: list[dict[str, object]] = []
+    for kind, policy in pairs:
+        us, vs_lru = per_block(kind, policy, False)
+        in_flight_us, in_flight_vs_lru = per_block(kind, policy, True)
+        rows.append(
+            {
+                "trace": name,
+                "policy": policy,
+                "capacity_blocks": capacity,
+                "blocks_referenced": references,
+                "us_per_block": us,
+                "vs_lru": vs_lru,
+                "in_flight_us_per_block": in_flight_us,
+                "in_flight_vs_lru": in_flight_vs_lru,
+            }
+        )
+    return rows
 
 
 def _print_trace_table(rows: list[dict[str, object]]) -> None:
     print(f"Replayed at {TRACE_FRACTION:.0%} of each trace's unique blocks (demo scale, seed 0):")
     print()
-    print("| trace | policy | capacity blocks | blocks referenced | us per block | / LRU |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| trace | policy | capacity blocks | blocks referenced | us per block | / LRU | "
+        "copies in flight: us per block | / LRU |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['trace']} | {r['policy']} | {r['capacity_blocks']:,} | "
-            f"{r['blocks_referenced']:,} | {r['us_per_block']} | {r['vs_lru']}x |"
+            f"{r['blocks_referenced']:,} | {r['us_per_block']} | {r['vs_lru']}x | "
+            f"{r['in_flight_us_per_block']} | {r['in_flight_vs_lru']}x |"
         )
 
 

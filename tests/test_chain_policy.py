@@ -7,6 +7,7 @@ tick per key stored or touched), not from the policy's code.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -582,6 +583,54 @@ def test_both_searches_take_the_same_victims_whatever_is_protected(
         assert victims == general.evict(wanted, guard)
         assert (victims is None) == (wanted > len(held) - len(guard))
     assert [plain.list_keys(c) for c in range(4)] == [general.list_keys(c) for c in range(4)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=_conversations, capacity=st.integers(4, 40), stores_in_flight=st.booleans())
+def test_both_searches_agree_with_loads_in_flight(
+    steps: list[tuple[int, int, int]], capacity: int, stores_in_flight: bool
+) -> None:
+    """As a connector with a step's copies in flight calls it: a request's hits are pinned
+    (a load) and let go one request later, and its stores too if ``stores_in_flight``. The
+    plain search passes over the keys pinned in place; the general one parks them. Both take
+    the same victims, never a pinned key, and leave the same lists."""
+    plain, general = ChainPolicy(capacity), _SearchedTheGeneralWay(capacity)
+    histories: dict[int, list[bytes]] = {}
+    fresh = 1000
+    loading: list[bytes] = []
+    storing: list[bytes] = []
+    for conversation, new_blocks, how in steps:
+        history = _history(histories, conversation, how)
+        new = [k(fresh + i) for i in range(new_blocks)]
+        fresh += new_blocks
+        root = _ROOT if conversation % 2 == 0 else []
+        own = (history + new)[-(capacity - len(root)) :]
+        histories[conversation] = own
+        request = root + own
+        hits = list(itertools.takewhile(plain.__contains__, request))
+        hits = [key for key in hits if key not in loading and key not in storing]
+        missing = [key for key in request if key not in plain]
+        for policy in (plain, general):
+            policy.note_request(request)
+            if hits:
+                policy.pin_evictable(hits)
+                policy.touch(hits)
+        shortfall = len(plain) + len(missing) - capacity
+        if shortfall > 0:
+            victims = plain.evict(shortfall, set(request))
+            assert victims == general.evict(shortfall, set(request))
+            if victims is None:  # too many pinned: this request stores nothing
+                missing = []
+            else:
+                assert not set(victims) & {*loading, *storing, *hits}
+        for policy in (plain, general):
+            policy.insert_new(missing, not stores_in_flight)
+            for done in (loading, storing):
+                if done:
+                    policy.set_evictable_many(done, True)
+        loading, storing = hits, missing if stores_in_flight else []
+        assert [plain.list_keys(c) for c in range(4)] == [general.list_keys(c) for c in range(4)]
+        assert plain.class_stats == general.class_stats
 
 
 def _reference_order(ref: Reference) -> list[bytes]:

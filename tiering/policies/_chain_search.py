@@ -1,9 +1,10 @@
 """The victim searches of :class:`~tiering.policies.chain.ChainPolicy`: where its lists are
-plain (no key pinned in place or released, the usual case): runs of victims from the list whose
-oldest key ranks lowest, read in place from the ``OrderedDict`` heads and deleted once all are
-found, the rank computed only for keys not surely older than the point where the list's rank
-crosses the others'; and where they are not, each list's next victim taken ahead, one at a
-time."""
+plain (no key released out of order, the usual case, even with copies in flight): runs of
+victims from the list whose oldest key ranks lowest, read in place from the ``OrderedDict``
+heads (merged with the keys released in order, where a list has some) and deleted once all
+are found, the rank computed only for keys not surely older than the point where the list's
+rank crosses the others'; and where they are not, each list's next victim taken ahead, one at
+a time."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ SHARED = CLASSES
 LISTS = CLASSES + 1
 
 _key_of = operator.itemgetter(0)
+_PLACED = (0).__le__  # a stamp in its place (a released key's marker is negative)
 
 
 def rank_at(ranks: list[float], age_ticks: int) -> float:
@@ -55,24 +57,38 @@ def evict_in_place(
     orders: Sequence[RecencyOrder],
     ghosts: list[tuple[bytes, int]] | None = None,
 ) -> list[bytes] | None:
-    """``ChainPolicy.evict`` where no list has a key pinned in place or released: each
-    ``_main`` is in stamp order, so its unprotected keys from the head are its next victims.
-    The lists are read where they are (an iterator each, nothing moved while searching): runs
-    of victims from the list whose next key ranks lowest, the rank computed only for keys not
-    surely older than the point where it crosses the best of the others' (``ranking`` gives
-    the tables, negated too, and the clock: asked only where two lists have keys). The victims
-    are then deleted; none if ``n`` cannot be found. Those of the shared list, with their
-    stamps, are added to ``ghosts``."""
-    live = [c for c in range(len(mains)) if mains[c]]
-    if len(live) == 1:  # one list to take from: its oldest go, no rank needed
+    """``ChainPolicy.evict`` where no list has a key released out of order (no ``_heap``):
+    a list's keys in their places (``_main``'s, the markers of released keys passed over) are
+    in stamp order, and so are its keys released in order (``_rel``), so the unguarded keys
+    of each, from the head, are its next victims (``guard``: the protected keys and those
+    pinned in place). Each is read where it is (an iterator, nothing moved while searching),
+    a list with released keys as two sources ranked alike, which merges them by stamp: runs
+    of victims from the source whose next key ranks lowest, the rank computed only for keys
+    not surely older than the point where it crosses the best of the others' (``ranking``
+    gives the tables, negated too, and the clock: asked only where two sources have keys).
+    The victims are then deleted; none if ``n`` cannot be found. Those of the shared list,
+    with their stamps, are added to ``ghosts``."""
+    live: list[int] = []  # per source, its list
+    readers: list[Iterator[tuple[bytes, int]]] = []
+    for c, main in enumerate(mains):
+        if not main:
+            continue
+        rel = orders[c]._rel
+        live.append(c)
+        if rel:  # in C: _main's entries whose stamps are not markers (>= 0), then _rel's
+            readers.append(itertools.compress(main.items(), map(_PLACED, main.values())))
+            live.append(c)
+            readers.append(iter(rel.items()))
+        else:
+            readers.append(iter(main.items()))
+    if len(live) == 1:  # one source to take from: its oldest go, no rank needed
         only = live[0]
-        entries = _first_unguarded(iter(mains[only].items()), n, guard)
+        entries = _first_unguarded(readers[0], n, guard)
         if len(entries) < n:
             return None
         return _delete(mains, orders, [(only, entries)], ghosts)
-    tables, negated, now = ranking()  # lists compete: ranks needed
-    readers = [iter(mains[c].items()) for c in live]
-    # Per live list (by position in ``live``): its next victim (unprotected) and its rank.
+    tables, negated, now = ranking()  # sources compete: ranks needed
+    # Per source (by position in ``live``): its next victim (unprotected) and its rank.
     ahead: list[tuple[bytes, int] | None] = [None] * len(live)
     ranked = [2.0] * len(live)
     for i, c in enumerate(live):
@@ -84,7 +100,7 @@ def evict_in_place(
     runs: list[tuple[int, list[tuple[bytes, int]]]] = []  # (list, its entries): victim order
     wanted = n
     while wanted:
-        # The lowest (rank, stamp) of the lists' next victims, and the next lowest: the bound.
+        # The lowest (rank, stamp) of the sources' next victims, and the next lowest: the bound.
         side = bound = -1
         for i, candidate in enumerate(ahead):
             if candidate is None:
@@ -112,7 +128,7 @@ def evict_in_place(
         runs.append((live[side], run))
         wanted -= 1
         reader = readers[side]
-        if bound < 0:  # the rest from this list, oldest first
+        if bound < 0:  # the rest from this source, oldest first
             more = _first_unguarded(reader, wanted, guard)
             run += more
             wanted -= len(more)
@@ -170,6 +186,10 @@ def _delete(
     for c, entries in runs:
         keys = list(map(_key_of, entries))
         any(map(mains[c].__delitem__, keys))  # a loop in C: each call returns None
+        rel = orders[c]._rel
+        if rel:  # a released key's place goes with it
+            for key in keys:
+                rel.pop(key, None)
         orders[c].size -= len(keys)
         victims += keys
         if c == SHARED and ghosts is not None:

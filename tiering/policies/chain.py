@@ -424,18 +424,11 @@ class ChainPolicy(ListsPolicy):
         first, second, third, shared = orders
         # The shared list's victims, with their stamps (none to look for in an empty list).
         ghosts: list[tuple[bytes, int]] | None = [] if shared.size else None
-        if self._PLAIN_SEARCH and not (
-            first._pinned_in_place  # shared: the four lists'
-            or first._heap
-            or first._rel
-            or second._heap
-            or second._rel
-            or third._heap
-            or third._rel
-            or shared._heap
-            or shared._rel
-        ):
+        if self._PLAIN_SEARCH and not (first._heap or second._heap or third._heap or shared._heap):
             mains = [order._main for order in orders]
+            in_place = first._pinned_in_place  # shared: the four lists' (loads in flight)
+            if in_place:  # passed over where they stand, as protected keys are
+                guard = in_place.keys() | guard
             victims = evict_in_place(mains, n, guard, self._ranking, orders, ghosts)
         else:
             tables, _, now = self._ranking()
