@@ -96,7 +96,9 @@ list's rank crosses another's (past a class's delays, where ranks are equal, the
 goes without one); the ranks computed again (four lists x 64 ages) once every
 ``_TABLE_REQUESTS`` requests. Per stored block, LRU's metadata times 1.1-1.2 storing new
 blocks and 1.45-1.5 in requests that reuse blocks; per block referenced on traffic, where the
-lists compete, 1.7-1.9 (ARC: 1.35) (``benchmarks/bench_metadata.py``).
+lists compete, 1.7-1.9 (ARC: 1.3), and as much with a connector's copies in flight (keys
+pinned in place are passed over, keys released in order read as a second source of their
+list: the plain search still applies) (``benchmarks/bench_metadata.py``).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class ChainPolicy(ListsPolicy):
     _GHOST_CAPACITIES: ClassVar[int] = 2
     #: The share of the shared list's waits ended by a use that its estimate starts from.
     _SHARED_PRIOR_SHARE: ClassVar[float] = 0.5
-    #: Search plain lists (nothing pinned in place or released) by popping their heads
+    #: Search lists with nothing released out of order by reading their heads in place
     #: (:mod:`~tiering.policies._chain_search`); tests turn it off to check both searches.
     _PLAIN_SEARCH: ClassVar[bool] = True
 
