@@ -127,6 +127,8 @@ def evict_in_place(
         run = [chosen]
         runs.append((live[side], run))
         wanted -= 1
+        if not wanted:
+            break
         reader = readers[side]
         if bound < 0:  # the rest from this source, oldest first
             more = _first_unguarded(reader, wanted, guard)
