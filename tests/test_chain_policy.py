@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -489,6 +489,29 @@ def _history(histories: dict[int, list[bytes]], conversation: int, how: int) -> 
     return history if how == 0 else [] if how == 1 else history[: len(history) * 3 // 4]
 
 
+def _requests(steps: list[tuple[int, int, int]], capacity: int) -> Iterator[list[bytes]]:
+    """The requests of ``steps`` (conversation, new blocks, how it starts: :func:`_history`):
+    a conversation's history and its new blocks, after the shared system prompt for even
+    conversations, cut to fit ``capacity``."""
+    histories: dict[int, list[bytes]] = {}
+    fresh = 1000
+    for conversation, new_blocks, how in steps:
+        history = _history(histories, conversation, how)
+        new = [k(fresh + i) for i in range(new_blocks)]
+        fresh += new_blocks
+        root = _ROOT if conversation % 2 == 0 else []
+        own = (history + new)[-(capacity - len(root)) :]
+        histories[conversation] = own
+        yield root + own
+
+
+def _misses(request: list[bytes], policy: ChainPolicy, capacity: int) -> tuple[list[bytes], int]:
+    """The keys of ``request`` that ``policy`` does not hold, and how many it must evict to
+    store them."""
+    missing = [key for key in request if key not in policy]
+    return missing, len(policy) + len(missing) - capacity
+
+
 class _SearchedTheGeneralWay(ChainPolicy):
     _PLAIN_SEARCH = False  # the victim search of lists with pinned or released keys
 
@@ -506,25 +529,15 @@ def test_victims_and_lists_match_the_reference(
     """Conversations that go on or start over, half of them after a shared system prompt, as
     the study drives a policy; both searches."""
     policy, ref = policy_class(capacity), Reference(capacity, policy_class._TAIL_REACH)
-    histories: dict[int, list[bytes]] = {}
-    fresh = 1000
-    for conversation, new_blocks, how in steps:
-        history = _history(histories, conversation, how)
-        new = [k(fresh + i) for i in range(new_blocks)]
-        fresh += new_blocks
-        root = _ROOT if conversation % 2 == 0 else []
-        own = (history + new)[-(capacity - len(root)) :]
-        histories[conversation] = own
-        request = root + own
+    for request in _requests(steps, capacity):
         held = [key for key in request if key in policy]
         assert held == [key for key in request if ref.held(key)]
-        missing = [key for key in request if key not in policy]
+        missing, shortfall = _misses(request, policy, capacity)
         for p in (policy, ref):
             p.note_request(request)
         if held:
             policy.touch(request)
             ref.touch(request)
-        shortfall = len(policy) + len(missing) - capacity
         if shortfall > 0:
             victims = policy.evict(shortfall, set(request))
             assert victims is not None
@@ -555,22 +568,12 @@ def test_both_searches_take_the_same_victims_whatever_is_protected(
     on the victims, on None where too few keys are unprotected, and on what is left, with
     protected keys anywhere in the lists (the heads included) and every list count."""
     plain, general = ChainPolicy(capacity), _SearchedTheGeneralWay(capacity)
-    histories: dict[int, list[bytes]] = {}
-    fresh = 1000
-    for conversation, new_blocks, how in steps:
-        history = _history(histories, conversation, how)
-        new = [k(fresh + i) for i in range(new_blocks)]
-        fresh += new_blocks
-        root = _ROOT if conversation % 2 == 0 else []
-        own = (history + new)[-(capacity - len(root)) :]
-        histories[conversation] = own
-        request = root + own
-        missing = [key for key in request if key not in plain]
+    for request in _requests(steps, capacity):
+        missing, shortfall = _misses(request, plain, capacity)
         for policy in (plain, general):
             policy.note_request(request)
             if len(missing) < len(request):
                 policy.touch(request)
-        shortfall = len(plain) + len(missing) - capacity
         if shortfall > 0:
             assert plain.evict(shortfall, set(request)) == general.evict(shortfall, set(request))
         for policy in (plain, general):
@@ -595,34 +598,22 @@ def test_both_searches_agree_with_loads_in_flight(
     plain search passes over the keys pinned in place; the general one parks them. Both take
     the same victims, never a pinned key, and leave the same lists."""
     plain, general = ChainPolicy(capacity), _SearchedTheGeneralWay(capacity)
-    histories: dict[int, list[bytes]] = {}
-    fresh = 1000
     loading: list[bytes] = []
     storing: list[bytes] = []
-    for conversation, new_blocks, how in steps:
-        history = _history(histories, conversation, how)
-        new = [k(fresh + i) for i in range(new_blocks)]
-        fresh += new_blocks
-        root = _ROOT if conversation % 2 == 0 else []
-        own = (history + new)[-(capacity - len(root)) :]
-        histories[conversation] = own
-        request = root + own
-        hits = list(itertools.takewhile(plain.__contains__, request))
-        hits = [key for key in hits if key not in loading and key not in storing]
-        missing = [key for key in request if key not in plain]
+    for request in _requests(steps, capacity):
+        in_flight = {*loading, *storing}
+        hits = [k for k in itertools.takewhile(plain.__contains__, request) if k not in in_flight]
+        missing, shortfall = _misses(request, plain, capacity)
         for policy in (plain, general):
             policy.note_request(request)
-            if hits:
+            if hits:  # loaded: pinned while the copy is in flight, and used
                 policy.pin_evictable(hits)
                 policy.touch(hits)
-        shortfall = len(plain) + len(missing) - capacity
         if shortfall > 0:
-            victims = plain.evict(shortfall, set(request))
-            assert victims == general.evict(shortfall, set(request))
-            if victims is None:  # too many pinned: this request stores nothing
-                missing = []
-            else:
-                assert not set(victims) & {*loading, *storing, *hits}
+            found = [policy.evict(shortfall, set(request)) for policy in (plain, general)]
+            assert found[0] == found[1]
+            assert found[0] is None or not set(found[0]) & {*in_flight, *hits}
+            missing = missing if found[0] is not None else []  # too many pinned: none stored
         for policy in (plain, general):
             policy.insert_new(missing, not stores_in_flight)
             for done in (loading, storing):
