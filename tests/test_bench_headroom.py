@@ -1,5 +1,6 @@
-"""benchmarks/bench_headroom.py: the continuation flags read the future exactly, `chain` told
-nothing is `chain` hit for hit, and told the truth it keeps what is continued."""
+"""benchmarks/bench_headroom.py: the continuation flags read the future exactly, the hint sets
+are what its columns say, `chain` with no hints is `chain` hit for hit, and hinted the truth it
+keeps what is continued."""
 
 from __future__ import annotations
 
@@ -27,21 +28,32 @@ def hits(policy: EvictionPolicy, key_lists: list[list[bytes]]) -> list[int]:
 def test_a_request_is_flagged_when_a_later_one_holds_its_last_block() -> None:
     bench = load_bench()
     key_lists = [[b"a", b"b"], [b"c"], [], [b"a", b"b", b"d"], [b"c", b"e"], [b"b"]]
-    # [] is never classed: no flag. Nothing later holds d, e or the last b.
-    assert bench.continued_flags(key_lists) == [True, True, False, False, False]
+    # [] has no last block. Nothing later holds d, e or the last b.
+    assert bench.continued_flags(key_lists) == [True, True, False, False, False, False]
+
+
+def test_the_hint_sets_are_the_truth_some_of_it_wrong_and_the_open_ones() -> None:
+    flags = [True, False] * 500
+    hints = load_bench().hint_sets(flags, 0.1)
+    assert hints["hint all"] == flags
+    assert hints["hint open only"] == [True, None] * 500
+    wrong = sum(h != f for h, f in zip(hints["hint all, some wrong"], flags, strict=True))
+    assert 60 <= wrong <= 140  # 1,000 draws at 0.1: the seed's count, about 100
+    assert load_bench().hint_sets(flags, 0.1) == hints  # a fixed seed
+    assert load_bench().hint_sets(flags, 0.0)["hint all, some wrong"] == flags
 
 
 @pytest.mark.parametrize("capacity", [20, 60, 200])
-def test_chain_told_that_nothing_is_continued_is_chain_hit_for_hit(capacity: int) -> None:
-    bench = load_bench()
+def test_chain_with_no_hints_is_chain_hit_for_hit(capacity: int) -> None:
     requests = sorted(workload_trace("production", "tiny", 3), key=lambda r: r.arrival_s)
     key_lists = study_trace_from_blocks(requests, 512).key_lists
-    flags = [False] * sum(1 for keys in key_lists if keys)
-    told = bench.ToldChain(capacity, flags, "first")
-    assert hits(told, key_lists) == hits(make_policy("chain", capacity), key_lists)
+    unhinted = [None] * len(key_lists)
+    run = simulate_cpu(make_policy("chain", capacity), key_lists, hints=unhinted)
+    hinted = prefix_hits(run.flags, key_lists)
+    assert hinted == hits(make_policy("chain", capacity), key_lists)
 
 
-def test_chain_told_the_truth_keeps_the_requests_that_are_continued() -> None:
+def test_chain_hinted_the_truth_keeps_the_requests_that_are_continued() -> None:
     bench = load_bench()
     # Each round a request that a later one continues (p), one that none does (n), and the
     # continuation of the p of two rounds before: 38 continuations of 2 blocks each to hit.
@@ -50,23 +62,17 @@ def test_chain_told_the_truth_keeps_the_requests_that_are_continued() -> None:
         key_lists += [[b"p%da" % i, b"p%db" % i], [b"n%da" % i, b"n%db" % i]]
         if i >= 2:
             key_lists.append([b"p%da" % (i - 2), b"p%db" % (i - 2), b"q%d" % (i - 2)])
-    flags = bench.continued_flags(key_lists)
     chain = sum(hits(make_policy("chain", 16), key_lists))
-    for mode in ("first", "all"):
-        told = sum(hits(bench.ToldChain(16, flags, mode), key_lists))
-        assert chain < told <= 76, mode
-
-
-def test_a_mode_other_than_first_or_all_is_refused() -> None:
-    with pytest.raises(ValueError, match="mode must be one of first, all, got 'some'"):
-        load_bench().ToldChain(8, [], "some")
+    for name, given in bench.hint_sets(bench.continued_flags(key_lists), 0.0).items():
+        run = simulate_cpu(make_policy("chain", 16), key_lists, hints=given)
+        assert chain < sum(prefix_hits(run.flags, key_lists)) <= 76, name
 
 
 def test_the_quick_run_prints_one_row(capsys: pytest.CaptureFixture[str]) -> None:
     load_bench().main(["--quick"])
     table = capsys.readouterr().out
     assert table.count("\n| documents | 5% |") == 1
-    assert "| chain told first | chain told all | belady |" in table
+    assert "| chain | hint all | hint all, 10% wrong | hint open only | belady |" in table
 
 
 def test_a_block_trace_file_reads_as_the_trace_it_was_written_from(

@@ -59,6 +59,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from vllm.v1.kv_hints import KvHintsEnvelope
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     LoadStoreSpec,
@@ -323,8 +324,9 @@ class ManagerDriver:
             self.drain_tiers()
             self.end_step()
 
-    def new_request(self, req_id: str) -> ReqContext:
-        context = ReqContext(req_id=req_id)
+    def new_request(self, req_id: str, **request: Any) -> ReqContext:
+        """A request started (``request``: its ``kv_transfer_params``, ``kv_hints``)."""
+        context = ReqContext(req_id=req_id, **request)
         with self.manager.lock:
             self.manager.on_new_request(context)
         return context
@@ -435,13 +437,26 @@ class EngineDriver:
         """The bytes block ``block_hash`` of ``group`` holds (distinct per group)."""
         return payload(make_offload_key(block_hash, group), self.row_bytes)
 
-    def add_request(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> Request:
+    def add_request(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+        kv_hints: KvHintsEnvelope | None = None,
+    ) -> Request:
+        """A request added as vLLM's engine core adds it (``kv_transfer_params`` through its
+        sampling parameters' ``extra_args``, as the OpenAI server passes them)."""
+        extra_args = (
+            None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        )
         request = Request(
             req_id,
             prompt,
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args),
             None,
             block_hasher=self._hasher,
+            kv_hints=kv_hints,
         )
         self.scheduler.add_request(request)
         return request

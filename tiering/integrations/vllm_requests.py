@@ -17,13 +17,19 @@ from typing import Protocol, cast
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 from tiering.core.keys import OffloadKey as Key
+from tiering.integrations.vllm_hints import request_hint
 
 __all__ = ["RequestAccesses", "prefix_order"]
 
 
 class _Recency(Protocol):
     def note_request(
-        self, keys: list[Key], *, req_context: object = None, ended: bool = False
+        self,
+        keys: list[Key],
+        *,
+        req_context: object = None,
+        ended: bool = False,
+        continues: bool | None = None,
     ) -> None: ...
 
     def touch(self, keys: list[Key], *, req_context: object = None) -> None: ...
@@ -86,7 +92,13 @@ class RequestAccesses:
         keys = prefix_order(list(self.accessed), req_context)
         # The request whole, known only now (vLLM's connector gives its keys a step at a time):
         # a policy that learns from requests (chain) learns from it before the ranking below.
-        manager.note_request(cast("list[Key]", keys), req_context=req_context, ended=True)
+        # With the client's hint, if it sent one (tiering.integrations.vllm_hints).
+        manager.note_request(
+            cast("list[Key]", keys),
+            req_context=req_context,
+            ended=True,
+            continues=request_hint(req_context),
+        )
         reused = self.reused
         end = len(keys)
         while end:

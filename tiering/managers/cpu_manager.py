@@ -55,6 +55,7 @@ from tiering.managers.protocol import (
     request_key,
 )
 from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies.base import note_request as note_policy_request
 
 __all__ = ["CPUOffloadingManager", "EvictionHook"]
 
@@ -267,11 +268,11 @@ class CPUOffloadingManager(OffloadingManager):
         *misplaced: object,
         req_context: object = None,
         ended: bool = False,
+        continues: bool | None = None,
     ) -> None:
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
-        note = self._policy.note_finished_request if ended else self._policy.note_request
-        note(check_keys(keys))
+        note_policy_request(self._policy, check_keys(keys), ended=ended, continues=continues)
 
     # -- stores -------------------------------------------------------------------------------
 

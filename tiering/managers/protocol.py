@@ -346,12 +346,16 @@ class OffloadingManager(ABC):
         *misplaced: object,
         req_context: object = None,
         ended: bool = False,
+        continues: bool | None = None,
     ) -> None:
         """A request's keys, in prefix order, once, before its touches and stores (or, with
         ``ended``, once it has ended, for a caller that knows a request whole only then): for
         a primary policy that learns from requests (:meth:`EvictionPolicy.note_request`,
         :meth:`EvictionPolicy.note_finished_request`). Optional: a manager that is never told
-        works as before. The default does nothing."""
+        works as before. ``continues`` is the caller's hint, if it has one: ``True`` if it
+        expects a later request to continue this one (an open chat session), ``False`` if it
+        expects none to (a one-off call); anything else raises InvalidArgumentError, changing
+        nothing. A hint only ranks blocks (``chain`` uses it). The default does nothing."""
         return
 
     # -- stores -----------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from tiering.managers.protocol import (
 )
 from tiering.managers.secondary_tier import SecondaryTier, TierKeyState
 from tiering.managers.tier_lookups import miss_sets, one_tier_lookup_result
+from tiering.policies.base import note_request as note_policy_request
 
 __all__ = ["TieringOffloadingManager"]
 
@@ -395,15 +396,17 @@ class TieringOffloadingManager(TieringLifecycle):
         *misplaced: object,
         req_context: object = None,
         ended: bool = False,
+        continues: bool | None = None,
     ) -> None:
         """Tell the primary tier's policy a request's keys, before its stores or (``ended``)
-        once it has ended (a secondary tier sees only the primary's misses, not requests)."""
+        once it has ended, with the caller's hint (``continues``) if it has one (a secondary
+        tier sees only the primary's misses, not requests)."""
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
         key_list = check_keys(keys)
         self._check_open()
-        policy = self.primary.policy  # its keys checked once, here
-        (policy.note_finished_request if ended else policy.note_request)(key_list)
+        # the primary's policy: its keys checked once, here
+        note_policy_request(self.primary.policy, key_list, ended=ended, continues=continues)
 
     # -- stores ----------------------------------------------------------------------------------
 

@@ -10,13 +10,16 @@ being read (pinned by a load) is not, and the tier flips the flag with :meth:`se
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar
 
+from tiering.errors import InvalidArgumentError
 from tiering.policies._checks import check_insert_key
 
-__all__ = ["EvictionPolicy"]
+__all__ = ["EvictionPolicy", "check_hint", "note_request", "takes_hints"]
 
 
 class EvictionPolicy(ABC):
@@ -54,7 +57,14 @@ class EvictionPolicy(ABC):
       :meth:`note_finished_request` is its form for a caller that learns a request only when it
       ends. A policy told a request may rank the blocks the request stores in its own order
       (``chain`` ranks them deepest oldest: a block is of no use without those before it);
-      stores of no noted request keep :meth:`insert_many`'s order.
+      stores of no noted request keep :meth:`insert_many`'s order. Both take an optional
+      *hint*, ``continues``: ``True`` if the caller expects a later request to continue this
+      one (an open chat session), ``False`` if it expects none to (a one-off call, a session
+      closed), ``None`` (the default) if it does not know. A hint only ranks; a wrong one may
+      cost hits but never changes which keys are held or evictable. Callers pass it only when
+      it is not ``None``, so a policy that ignores hints may leave it out of its signature
+      (:func:`takes_hints`); one that declares it accepts ``None`` and both ``bool`` values
+      and raises :class:`~tiering.errors.InvalidArgumentError` for anything else.
     - :meth:`evict` is all or nothing: it returns exactly ``n`` victims, removed from the
       policy, or ``None`` with no state changed. It never returns a non-evictable key nor one
       in ``protected``. Its cost per victim does not grow with the number of pinned keys, and
@@ -142,18 +152,21 @@ class EvictionPolicy(ABC):
         follow). Changes no held key and evicts nothing. The default does nothing."""
         return
 
-    def note_request(self, keys: Sequence[bytes]) -> None:
+    def note_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
         """The keys of one request, in prefix order (held, absent or ghosts alike), before its
-        :meth:`touch` and :meth:`insert_new` calls; at most once per request. Changes no held
-        key's order or evictability and evicts nothing. The default does nothing."""
-        return
+        :meth:`touch` and :meth:`insert_new` calls; at most once per request; ``continues``:
+        the caller's hint (see the class docstring). Changes no held key's order or
+        evictability and evicts nothing. The default checks the hint and does nothing."""
+        if continues is not None:
+            check_hint(continues)
 
-    def note_finished_request(self, keys: Sequence[bytes]) -> None:
+    def note_finished_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
         """:meth:`note_request` from a caller that knows a request whole only when it ends
         (vLLM's connector), after its stores: once per request, instead of
         :meth:`note_request`. May move the request's keys between a policy's lists (keeping
-        their evictability) and evicts nothing. The default does nothing."""
-        return
+        their evictability) and evicts nothing. The default checks the hint and does nothing."""
+        if continues is not None:
+            check_hint(continues)
 
     @abstractmethod
     def set_evictable(self, key: bytes, evictable: bool) -> None:
@@ -186,3 +199,50 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Forget every key and all history (ghosts, adaptive targets)."""
+
+
+def check_hint(continues: object) -> None:
+    """Raise :class:`~tiering.errors.InvalidArgumentError` unless ``continues`` is a hint:
+    ``None``, ``True`` or ``False``."""
+    if continues is not None and type(continues) is not bool:
+        raise InvalidArgumentError(
+            f"continues must be True, False or None (not known), got {continues!r:.80}"
+        )
+
+
+def takes_hints(policy: EvictionPolicy) -> bool:
+    """Whether ``policy``'s :meth:`~EvictionPolicy.note_request` and
+    :meth:`~EvictionPolicy.note_finished_request` take the ``continues`` hint (a plugin written
+    before hints existed may not: a manager then keeps them from it)."""
+    cls = type(policy)
+    return _takes(cls.note_request) and _takes(cls.note_finished_request)
+
+
+@functools.lru_cache(maxsize=64)
+def _takes(method: object) -> bool:
+    try:
+        parameters = inspect.signature(method).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # no signature to read (a builtin): keep hints from it
+        return False
+    return "continues" in parameters or any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()
+    )
+
+
+def note_request(
+    policy: EvictionPolicy,
+    keys: Sequence[bytes],
+    *,
+    ended: bool = False,
+    continues: bool | None = None,
+) -> None:
+    """Tell ``policy`` a request, as a manager does: :meth:`~EvictionPolicy.note_request`, or
+    with ``ended`` :meth:`~EvictionPolicy.note_finished_request`; the hint checked first (an
+    :class:`~tiering.errors.InvalidArgumentError` changes nothing) and passed only if given
+    and the policy takes hints."""
+    check_hint(continues)
+    note = policy.note_finished_request if ended else policy.note_request
+    if continues is None or not takes_hints(policy):
+        note(keys)
+    else:
+        note(keys, continues=continues)

@@ -34,7 +34,10 @@ prompt, a document others read):
   fresh prompt sharing a long prefix (another question about a document, in small blocks
   where a question fills many): class 0, as a request that continues nothing. Tails at
   depths, not only the last keys: in 16-token blocks the shared point is often many keys
-  before a request's end, and with the last two only chain lost to LRU on documents.
+  before a request's end, and with the last two only chain lost to LRU on documents. A
+  caller's hint overrides the class: a request it expects to be continued (``continues``
+  true) is at least class 1, one it expects not to be is class 0; every statistic is still
+  learned from what the requests do, so a wrong hint costs hits and breaks nothing.
 - **Stores.** A noted request's new blocks go to its class, the deepest ranked oldest (a block
   is of no use without the blocks before it, so a request's blocks go from the deepest up),
   except its *ghosts* (below), which go back to the shared list; any other store goes to
@@ -70,22 +73,17 @@ Where it comes from and what it gives: the chain-class rule of the project's thi
 with delay histograms instead of exponential delays (think times are log-normal: a block that
 has waited a minute is likelier to be continued soon than a fresh one) and tails that a
 question after a document does not hide; the shared list (the twelfth session) keeps what many
-requests start from, as ARC's second list does, where the classes filed it with a request's
-newest blocks. In the study on the generated traces (seeds 0-15, 1-20 % of the unique blocks)
-it is within 0.2 points of the better of LRU and ARC at 319 of 320 points (0.25 under LRU at
-2 % of one agent trace), and at 5 % closes 19-28 % of the LRU -> Belady gap on conversations,
-15-23 % on documents, 8-17 % on the production mix, 62-86 % on agent loops
-(docs/benchmarks.md). Most of the rest is whether a request that continues nothing will be
-continued, which the requests of those traces do not show: told it, the same classes close
-40-72 % at 5 % (``benchmarks/bench_headroom.py``). On the two public Mooncake traces (looked
-at while the shared list was built; nothing in it was set on them): within 0.2 points at all
-10 points, 7 % and 4 % of the gap at 5 %. In 16-token blocks (the same generated prompts,
-seed 0; the fourteenth session's tails at depths) within 0.2 points at 19 of 20 points (the
-same agent miss, 0.28), and on documents 0.1-1.3 points over the better of LRU and ARC where
-the last two keys as tails left it 0.43 and 0.53 under ARC at 5 and 10 %. Told no requests
-(a manager that does not know them) every new block goes to class 0, nothing is shared and no
-class learns anything, so they rank alike and the older head goes: it is LRU, victim for
-victim (tested).
+requests start from, as ARC's second list does. In the study on the generated traces (seeds
+0-15, 1-20 % of the unique blocks, 512 and 16 tokens a block) it is within 0.2 points of the
+better of LRU and ARC at all points but one agent trace at 2 % (0.25 under LRU), and at 5 %
+closes 19-28 % of the LRU -> Belady gap on conversations, 15-23 % on documents, 8-17 % on the
+production mix (docs/benchmarks.md); on the public Mooncake traces (nothing set on them),
+within 0.2 points at all 10 points. Most of the rest is whether a request will be continued,
+which those traces do not show: with the hint, right for every request, the same classes close
+67-99 % at 5 %, and 36-63 % with one hint in ten wrong (``benchmarks/bench_headroom.py``).
+Told no requests (a manager that does not know them) every new block goes to class 0, nothing
+is shared and no class learns anything, so they rank alike and the older head goes: it is
+LRU, victim for victim (tested).
 
 Cost: four :class:`~tiering.policies._order.RecencyOrder` lists sharing pins, a dict probe
 per key of each noted request up to its deepest tail and a set of its keys (and one in the
@@ -129,6 +127,7 @@ from tiering.policies._checks import (
 from tiering.policies._lists import ListsPolicy
 from tiering.policies._order import RecencyOrder
 from tiering.policies._two_lists import stamped_keys as _stamped
+from tiering.policies.base import check_hint
 
 __all__ = ["ChainClassStats", "ChainPolicy"]
 
@@ -217,33 +216,37 @@ class ChainPolicy(ListsPolicy):
 
     # -- requests -----------------------------------------------------------------------------
 
-    def note_request(self, keys: Sequence[bytes]) -> None:
-        """Learn from a request's keys (prefix order), before its stores: class it, remember
-        its tails and class the blocks it will store and use."""
+    def note_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
+        """Learn from a request's keys (prefix order), before its stores: class it (as the
+        hint says, if given), remember its tails and class the blocks it will store and use."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys, "note_request")
+        if continues is not None:
+            check_hint(continues)
         if not keys:
             return
         now = self._now()
         self._to_shared = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
-        request_class, continued = self._classify(keys, now)
+        request_class, continued = self._classify(keys, now, continues)
         self._remember(keys, request_class, continued, self._lists, now)  # held before: no
         self._request_class = request_class
         self._request_keys = tuple(keys)
         self._request_set = None
 
-    def note_finished_request(self, keys: Sequence[bytes]) -> None:
+    def note_finished_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
         """:meth:`note_request` once the request has stored its blocks: its blocks are moved up
         to its class now (a use: they were stored in class 0 and used in class 1), and its tails
         are those it stored (in class 0) or continued, or holds no longer."""
         if isinstance(keys, (bytes, bytearray, str)):
             check_touch_keys(keys, "note_finished_request")
+        if continues is not None:
+            check_hint(continues)
         if not keys:
             return
         lists = self._lists
         now = self._now()
         back = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
-        request_class, continued = self._classify(keys, now)
+        request_class, continued = self._classify(keys, now, continues)
         # Not a block it used: one it stored is in class 0 (or gone).
         self._remember(keys, request_class, continued, lists[1:], now)
         self._sync_clocks()
@@ -269,8 +272,11 @@ class ChainPolicy(ListsPolicy):
         self._requests[_SHARED] += len(found)
         return frozenset(found)
 
-    def _classify(self, keys: Sequence[bytes], now: int) -> tuple[int, bytes | None]:
-        """The class of a request and the tail it continues (the deepest), learning from it."""
+    def _classify(
+        self, keys: Sequence[bytes], now: int, continues: bool | None = None
+    ) -> tuple[int, bytes | None]:
+        """The class of a request (at least 1 if the hint says a later request continues it,
+        0 if it says none does) and the tail it continues (the deepest), learning from it."""
         tails = self._tails
         found_key = next(filter(tails.__contains__, reversed(keys)), None)  # the deepest
         request_class = 0
@@ -282,6 +288,8 @@ class ChainPolicy(ListsPolicy):
                 request_class = min(continued_class + 1, _CLASSES - 1)
             else:  # a branch: class 0, and the key is a tail only as any other key is
                 found_key = None
+        if continues is not None:
+            request_class = max(request_class, 1) if continues else 0
         self._requests[request_class] += 1
         self._requests_since_tables += 1
         return request_class, found_key

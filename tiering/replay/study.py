@@ -44,10 +44,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiering.errors import TieringError
+from tiering.errors import InvalidArgumentError, TieringError
 from tiering.policies import get_policy_class
 from tiering.policies.admission import FrequencyGate, default_width
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.base import note_request as note_policy_request
 from tiering.replay.belady import RequestMIN
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
 from tiering.replay.forked_map import map_forked
@@ -170,11 +171,21 @@ class _CpuRun:
 
 
 def simulate_cpu(
-    policy: EvictionPolicy, key_lists: Sequence[Sequence[bytes]], *, record_victims: bool = False
+    policy: EvictionPolicy,
+    key_lists: Sequence[Sequence[bytes]],
+    *,
+    record_victims: bool = False,
+    hints: Sequence[bool | None] | None = None,
 ) -> _CpuRun:
     """Drive ``policy`` (empty, its capacity the tier's) as the manager does; one hit flag
     per access, per request the keys evicted (``record_victims``), and how many requests
-    stored their misses under each of the policy's rules (:attr:`EvictionPolicy.rule`)."""
+    stored their misses under each of the policy's rules (:attr:`EvictionPolicy.rule`).
+    ``hints``: per request, the caller's hint (:meth:`EvictionPolicy.note_request`'s
+    ``continues``), given with the request as a manager gives it."""
+    if hints is not None and len(hints) != len(key_lists):
+        raise InvalidArgumentError(
+            f"hints must have one entry per request ({len(key_lists)}), got {len(hints)}"
+        )
     capacity = policy.capacity
     flags = bytearray(sum(map(len, key_lists)))
     run = _CpuRun(flags)
@@ -186,8 +197,11 @@ def simulate_cpu(
     note_request = policy.note_request
     by_rule = run.requests_by_rule
     position = 0
-    for keys in key_lists:
-        note_request(keys)  # as the managers do at a request's start
+    for index, keys in enumerate(key_lists):
+        if hints is None:
+            note_request(keys)  # as the managers do at a request's start
+        else:
+            note_policy_request(policy, keys, continues=hints[index])
         missing: list[bytes] = []
         for i, key in enumerate(keys):
             if contains(key):

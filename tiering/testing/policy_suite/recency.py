@@ -1,12 +1,14 @@
 """``PolicyTests``, recency: ``touch`` and ``refresh`` order (a refresh is not a use), absent
-keys ignored, a single key instead of a sequence rejected.
+keys ignored, a single key instead of a sequence rejected; a request's notes with a hint keep
+what is held and evictable, and a bad hint changes nothing.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tiering.errors import InvalidKeyError
+from tiering.errors import InvalidArgumentError, InvalidKeyError
+from tiering.policies.base import takes_hints
 from tiering.testing.policy_suite.base import (
     PolicyFactory,
     PolicyTestsBase,
@@ -101,4 +103,40 @@ class PolicyRecencyTests(PolicyTestsBase):
         before = policy_state(policy)
         with pytest.raises(InvalidKeyError, match="sequence of keys"):
             policy.refresh(policy_key(0))  # type: ignore[arg-type]
+        assert policy_state(policy) == before
+
+    # -- requests, with a hint ----------------------------------------------------------------
+
+    def test_a_hinted_request_keeps_what_is_held_and_evictable(
+        self, policy_factory: PolicyFactory
+    ) -> None:
+        policy = policy_factory(8)
+        if not takes_hints(policy):
+            pytest.skip("the policy takes no hints (a manager keeps them from it)")
+        fill(policy, 6)
+        policy.set_evictable(policy_key(1), False)
+        held = sorted(policy)
+        request = [policy_key(i) for i in (0, 1, 2, 40, 41)]  # held, pinned, held, absent
+        policy.note_request(request, continues=True)
+        policy.note_request([policy_key(3), policy_key(42)], continues=False)
+        policy.note_finished_request(request, continues=False)
+        policy.note_request([policy_key(4)], continues=None)
+        assert sorted(policy) == held
+        victims = policy.evict(5)
+        assert victims is not None and policy_key(1) not in victims
+        assert policy.evict(1) is None  # the pinned key stays
+
+    @pytest.mark.parametrize("hint", ["yes", 1, 0.0])
+    def test_a_hint_other_than_a_bool_or_none_is_refused(
+        self, policy_factory: PolicyFactory, hint: object
+    ) -> None:
+        policy = policy_factory(4)
+        if not takes_hints(policy):
+            pytest.skip("the policy takes no hints (a manager keeps them from it)")
+        fill(policy, 3)
+        before = policy_state(policy)
+        with pytest.raises(InvalidArgumentError, match="continues must be True, False or None"):
+            policy.note_request([policy_key(0), policy_key(9)], continues=hint)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="continues must be True, False or None"):
+            policy.note_finished_request([policy_key(0)], continues=hint)  # type: ignore[arg-type]
         assert policy_state(policy) == before
