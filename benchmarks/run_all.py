@@ -106,13 +106,14 @@ BENCHMARKS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     (
         "bench_headroom",
-        "What chain would close if it knew which requests are continued",
-        "The metadata study of chain and of chain told, when a request's blocks are stored, "
-        "whether a later request holds its last block (told first: requests that continue "
-        "nothing; told all: every request), on the generated conversation, documents and "
-        "production traces (seed 0) at 1-20 % of the unique blocks: prefix hit ratio and the "
-        "share of the LRU -> Belady gap closed. What the one bit an online policy cannot see "
-        "in these traces is worth.",
+        "What chain closes when the caller hints which requests continue",
+        "The metadata study of chain unhinted and hinted through the public API "
+        "(`note_request(keys, continues=...)`), on the generated conversation, documents and "
+        "production traces (seed 0) at 1-20 % of the unique blocks: every request hinted with "
+        "whether a later request holds its last block; the same with one hint in ten wrong (a "
+        "fixed seed); and `true` only for the requests that are continued, the rest unhinted. "
+        "Prefix hit ratio and the share of the LRU -> Belady gap closed: what the one bit an "
+        "online policy cannot see in these traces is worth, and what a wrong hint costs.",
         (),
     ),
     (
