@@ -638,7 +638,7 @@ class _Recording(LRUPolicy):
     name = "test-recording"
     noted: list[list[bytes]] = []
 
-    def note_request(self, keys: Sequence[bytes]) -> None:
+    def note_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
         type(self).noted.append(list(keys))
 
 

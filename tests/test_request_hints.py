@@ -4,18 +4,30 @@ learns as before; the managers and the study pass it on, checked first; a policy
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 
+from tiering.cli import main as cli_main
+from tiering.config import parse_config
 from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import InvalidArgumentError
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
-from tiering.policies import ChainPolicy, LRUPolicy
+from tiering.policies import ChainPolicy, LRUPolicy, register_policy
+from tiering.policies import registry as policy_registry
 from tiering.policies.base import note_request, takes_hints
+from tiering.replay import ReplayOptions, run_replay
+from tiering.replay.block_trace import read_block_trace, to_requests, write_mooncake
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
+from tiering.replay.trace_jsonl import read_jsonl, write_jsonl
+from tiering.replay.trace_requests import Request, TraceError
 from tiering.replay.workloads import workload_trace
 
 
@@ -128,7 +140,7 @@ class _OldPlugin(LRUPolicy):
 class _AnyKeywords(LRUPolicy):
     name = "test-any-keywords"
 
-    def note_request(self, keys: Sequence[bytes], **hints: object) -> None:
+    def note_request(self, keys: Sequence[bytes], **hints: object) -> None:  # type: ignore[override]
         return
 
 
@@ -181,3 +193,121 @@ def make(name: str, capacity: int) -> ChainPolicy | LRUPolicy:
     from tiering.policies import make_policy
 
     return make_policy(name, capacity)  # type: ignore[return-value]
+
+
+# -- traces carry hints: the study and the replay give them to the policy -------------------
+
+
+def test_a_block_trace_line_s_hint_is_read_written_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "hinted.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2], "continues": True},
+        {"timestamp": 5, "input_length": 1024, "hash_ids": [3, 4], "continues": False},
+        {"timestamp": 9, "input_length": 1024, "hash_ids": [1, 2, 5], "continues": None},
+        {"timestamp": 9, "input_length": 512, "hash_ids": [6]},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests = read_block_trace(path).requests
+    assert [r.continues for r in requests] == [True, False, None, None]
+    again = tmp_path / "again.jsonl"
+    write_mooncake(requests, again)
+    assert [r.continues for r in read_block_trace(again).requests] == [True, False, None, None]
+    assert '"continues"' not in again.read_text().splitlines()[2]  # none: not written
+    assert [r.continues for r in to_requests(requests, 512)] == [True, False, None, None]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [1], "continues": 1}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'continues': must be true, false"):
+        read_block_trace(bad)
+
+
+def test_a_tiering_jsonl_line_s_hint_is_read_written_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "hinted.jsonl"
+    requests = [
+        Request("a", np.arange(1, 40), continues=True),
+        Request("b", np.arange(1, 50), continues=False),
+        Request("c", np.arange(1, 60)),
+    ]
+    write_jsonl(requests, path)
+    assert list(read_jsonl(path)) == requests
+    assert Request("c", np.arange(1, 60)) != Request("c", np.arange(1, 60), continues=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "tokens": [1, 2], "continues": "yes"}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'continues': must be true, false"):
+        list(read_jsonl(bad))
+
+
+def hinted_conversation_file(tmp_path: Path) -> tuple[Path, list[list[bytes]], list[bool | None]]:
+    """The tiny generated conversation trace as a Mooncake file, every request hinted with
+    whether a later one holds its last block; its study keys and hints."""
+    requests = sorted(workload_trace("conversation", "tiny", 0), key=lambda r: r.arrival_s)
+    key_lists = study_trace_from_blocks(requests, 512).key_lists
+    later: set[bytes] = set()
+    truth: list[bool | None] = []
+    for keys in reversed(key_lists):
+        truth.append(bool(keys) and keys[-1] in later)
+        later.update(keys)
+    truth.reverse()
+    path = tmp_path / "conversation.jsonl"
+    hinted = [dataclasses.replace(r, continues=t) for r, t in zip(requests, truth, strict=True)]
+    write_mooncake(hinted, path)
+    return path, key_lists, truth
+
+
+def test_policy_study_gives_a_trace_s_hints_to_the_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, key_lists, truth = hinted_conversation_file(tmp_path)
+    config = tmp_path / "tiering.yaml"
+    config.write_text("version: 1\nprimary: {capacity: 1MiB}\nsecondary_tiers: []\n")
+    args = ["policy-study", "--config", str(config), "--trace", str(path), "--json"]
+    assert cli_main([*args, "--policies", "chain,lru", "--sizes", "0.05", "--no-progress"]) == 0
+    rows = {row["policy"]: row for row in json.loads(capsys.readouterr().out)["policy_study"]}
+    capacity = rows["chain"]["capacity_blocks"]
+    assert capacity == 454  # 5 % of the 9,072 unique blocks, rounded up
+    total = sum(map(len, key_lists))
+
+    def ratio(policy: str, hints: list[bool | None] | None) -> float:
+        run = simulate_cpu(make(policy, capacity), key_lists, hints=hints)
+        return round(sum(prefix_hits(run.flags, key_lists)) / total, 4)
+
+    assert rows["chain"]["prefix_hit_ratio"] == ratio("chain", truth) > ratio("chain", None)
+    assert rows["lru"]["prefix_hit_ratio"] == ratio("lru", None)
+
+
+class _HintRecorder(LRUPolicy):
+    name = "test-hint-recorder"
+    hints: ClassVar[list[bool | None]] = []
+
+    def note_request(self, keys: Sequence[bytes], continues: bool | None = None) -> None:
+        type(self).hints.append(continues)
+
+
+def test_the_replay_gives_each_request_s_hint_to_the_primary_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(policy_registry, "_registry", dict(policy_registry._registry))
+    register_policy(_HintRecorder.name, _HintRecorder)
+    _HintRecorder.hints = []
+    trace = tmp_path / "hinted.jsonl"
+    hints = [True, None, False, True]
+    write_jsonl(
+        [
+            Request(f"r{i}", np.arange(1 + i, 80 + i), arrival_s=i, continues=h)
+            for i, h in enumerate(hints)
+        ],
+        trace,
+    )
+    cfg = parse_config(
+        {
+            "version": 1,
+            "model": {"shape": "tiny"},
+            "hashing": {"hash_block_size": 16},
+            "primary": {"capacity": "400KiB", "policy": _HintRecorder.name},
+            "secondary_tiers": [],
+        },
+        source=str(tmp_path / "tiering.yaml"),
+        base_dir=tmp_path,
+        env={},
+    )
+    run_replay(cfg, ReplayOptions(trace=str(trace), engine_blocks=512, progress=False))
+    assert _HintRecorder.hints == hints

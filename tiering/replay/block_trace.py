@@ -25,6 +25,10 @@ UTF-8, one JSON object per line, blank lines skipped::
     tokens. tiering chains ids along each prompt (a block's key names its whole prefix, as an
     engine's prefix hashes do), so ids need not be unique across prefixes.
 
+``continues`` (optional, true, false or null; tiering's, not Mooncake's)
+    The client's hint: a later request is expected to continue this one, or none is. The
+    study and the replay give it to the policy with the request; absent: not known.
+
 Other fields (``session_id``, ``delay`` of other tools) are ignored. A file is a block trace
 when its first non-blank line has ``hash_ids``; otherwise it is tiering's own JSONL
 (:mod:`tiering.replay.traces`). :func:`read_block_trace` raises :class:`TraceError` naming the
@@ -124,6 +128,8 @@ class BlockRequest:
     input_tokens: int
     output_tokens: int
     block_ids: tuple[int, ...]
+    #: The client's hint, where the trace has one (``continues``): see the module docstring.
+    continues: bool | None = None
 
 
 def _check_block_tokens(block_tokens: object) -> int:
@@ -273,8 +279,11 @@ def _parse_line(
             f"({fmt.name} traces: {fmt.block_tokens})",
             field="hash_ids",
         )
+    continues = obj.get("continues")
+    if continues is not None and type(continues) is not bool:
+        raise TraceError(f"must be true, false or null, got {continues!r:.40}", field="continues")
     arrival_s = timestamp * fmt.seconds_per_unit
-    return BlockRequest(request_id, arrival_s, input_length, output_length, tuple(ids))
+    return BlockRequest(request_id, arrival_s, input_length, output_length, tuple(ids), continues)
 
 
 def _is_int(value: object) -> bool:
@@ -297,6 +306,8 @@ def write_mooncake(requests: Iterable[BlockRequest], path: str | os.PathLike[str
                     "output_length": request.output_tokens,
                     "hash_ids": list(request.block_ids),
                 }
+                if request.continues is not None:
+                    record["continues"] = request.continues
                 file.write(json.dumps(record, separators=(",", ":")))
                 file.write("\n")
                 written += 1
@@ -341,6 +352,7 @@ def to_requests(
             tokens,
             arrival_s=request.arrival_s,
             output_tokens=request.output_tokens,
+            continues=request.continues,
         )
 
 

@@ -176,7 +176,9 @@ class SimulatedEngine:
         loaded_from: dict[str, int] = {}
         # Every group's keys, prefix order within each: the request as a policy learns it.
         self.manager.note_request(
-            [key for group_keys in keys for key in group_keys], req_context=request.request_id
+            [key for group_keys in keys for key in group_keys],
+            req_context=request.request_id,
+            continues=request.continues,
         )
 
         start = time.perf_counter()

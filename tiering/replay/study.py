@@ -69,11 +69,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StudyTrace:
-    """Per request, its block keys in prefix order and its prompt tokens; tokens per block."""
+    """Per request, its block keys in prefix order and its prompt tokens; tokens per block;
+    per request the client's hint, where any request has one (else ``None``)."""
 
     key_lists: list[list[bytes]]
     input_tokens: list[int]
     block_tokens: int
+    hints: list[bool | None] | None = None
 
     @property
     def unique_blocks(self) -> int:
@@ -123,6 +125,7 @@ def study_trace_from_blocks(
     node_lists: list[list[int]] = []
     arrivals: list[float] = []
     input_tokens: list[int] = []
+    hints: list[bool | None] = []
     for r in requests:
         ids = r.block_ids[: r.input_tokens // study_tokens * ids_per_block]
         if ids_per_block > 1:
@@ -134,6 +137,7 @@ def study_trace_from_blocks(
         node_lists.append(trie.keys(ids))
         arrivals.append(r.arrival_s)
         input_tokens.append(r.input_tokens)
+        hints.append(r.continues)
     node_count = len(trie)
     del trie, groups  # the largest structures here: gone before the names are made
     order: Sequence[int] = range(len(node_lists))
@@ -145,6 +149,7 @@ def study_trace_from_blocks(
         [[names[n] for n in node_lists[i]] for i in order],
         [input_tokens[i] for i in order],
         study_tokens,
+        [hints[i] for i in order] if any(hint is not None for hint in hints) else None,
     )
 
 
@@ -397,7 +402,9 @@ class _Study:
             cpu = _CpuRun(self.request_min.hit_flags(capacity))
         else:
             policy = get_policy_class(name)(capacity)
-            cpu = simulate_cpu(policy, key_lists, record_victims=self.record_victims)
+            cpu = simulate_cpu(
+                policy, key_lists, record_victims=self.record_victims, hints=trace.hints
+            )
         prefix = prefix_hits(cpu.flags, key_lists)
         saved = _tokens_saved(prefix, trace)
         prompt_tokens = self.prompt_tokens

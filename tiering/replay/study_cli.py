@@ -93,10 +93,12 @@ def load_study_trace(
         )
     requests = requests[:max_requests]
     hasher = PrefixHasher(config.hashing.hash_block_size, config.hashing.algorithm)
+    hinted = any(r.continues is not None for r in requests)
     return StudyTrace(
         [hasher.hash_blocks(r.token_ids, r.extra_keys) for r in requests],
         [r.num_prompt_tokens for r in requests],
         config.hashing.hash_block_size,
+        [r.continues for r in requests] if hinted else None,
     )
 
 

@@ -17,6 +17,10 @@ UTF-8, one JSON object per line; blank lines are skipped. Fields:
     Tokens generated after the prompt.
 ``arrival_s`` (optional number >= 0, default 0)
     Arrival time in seconds from the start of the trace.
+``continues`` (optional, true, false or null)
+    The client's hint: a later request is expected to continue this one (a chat session
+    still open), or none is (a one-off call). The replay and the study give it to the policy
+    with the request (``note_request(..., continues=...)``); null or absent: not known.
 
 Example::
 
@@ -54,7 +58,16 @@ def is_trace_file(trace: str) -> bool:
     return trace.endswith(".jsonl") or "/" in trace
 
 
-_JSON_FIELDS = ("id", "tokens", "segments", "salt", "lora", "output_tokens", "arrival_s")
+_JSON_FIELDS = (
+    "id",
+    "tokens",
+    "segments",
+    "salt",
+    "lora",
+    "output_tokens",
+    "arrival_s",
+    "continues",
+)
 # Request field -> JSON field, to name the file's field when Request rejects a value.
 _JSON_NAME = {
     "request_id": "id",
@@ -63,6 +76,7 @@ _JSON_NAME = {
     "lora_name": "lora",
     "output_tokens": "output_tokens",
     "arrival_s": "arrival_s",
+    "continues": "continues",
 }
 
 
@@ -157,6 +171,7 @@ def _parse_request(obj: object, vocab_size: int) -> Request:
             cache_salt=obj.get("salt"),
             lora_name=obj.get("lora"),
             output_tokens=obj.get("output_tokens", 0),
+            continues=obj.get("continues"),
         )
     except TraceError as exc:
         field = _JSON_NAME.get(exc.field, exc.field) if exc.field is not None else None
@@ -230,6 +245,8 @@ def write_jsonl(requests: Iterable[Request], path: str | os.PathLike[str]) -> in
                     "output_tokens": request.output_tokens,
                     "arrival_s": request.arrival_s,
                 }
+                if request.continues is not None:
+                    record["continues"] = request.continues
                 file.write(json.dumps(record, separators=(",", ":")))
                 file.write("\n")
                 written += 1

@@ -70,6 +70,9 @@ class Request:
     cache_salt: str | None = None
     lora_name: str | None = None
     output_tokens: int = 0
+    #: The client's hint: a later request is expected to continue this one (True), none is
+    #: (False), or not known (None); given to the policy with the request.
+    continues: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -104,6 +107,10 @@ class Request:
             raise TraceError(
                 f"must be an int >= 0, got {self.output_tokens!r:.80}", field="output_tokens"
             )
+        if self.continues is not None and type(self.continues) is not bool:
+            raise TraceError(
+                f"must be true, false or null, got {self.continues!r:.80}", field="continues"
+            )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +130,7 @@ class Request:
             and self.cache_salt == other.cache_salt
             and self.lora_name == other.lora_name
             and self.output_tokens == other.output_tokens
+            and self.continues == other.continues
             and np.array_equal(self.token_ids, other.token_ids)
         )
 
