@@ -22,7 +22,7 @@ from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import ChainPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
-from tiering.policies.base import note_request, takes_hints
+from tiering.policies.base import takes_hints, tell_request
 from tiering.replay import ReplayOptions, run_replay
 from tiering.replay.block_trace import read_block_trace, to_requests, write_mooncake
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
@@ -96,7 +96,7 @@ def test_a_bad_hint_is_refused_by_every_layer_changing_nothing(hint: object) -> 
     with pytest.raises(InvalidArgumentError, match=message):
         policy.note_request([k(1)], continues=hint)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match=message):
-        note_request(LRUPolicy(4), [k(1)], continues=hint)  # type: ignore[arg-type]
+        tell_request(LRUPolicy(4), [k(1)], continues=hint)  # type: ignore[arg-type]
     assert (classes(policy), policy.tail_keys, policy.class_stats) == before
     cpu = CPUOffloadingManager(4, "chain")
     tiering = TieringOffloadingManager(

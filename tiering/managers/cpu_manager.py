@@ -55,7 +55,7 @@ from tiering.managers.protocol import (
     request_key,
 )
 from tiering.policies import EvictionPolicy, make_policy
-from tiering.policies.base import note_request as note_policy_request
+from tiering.policies.base import tell_request
 
 __all__ = ["CPUOffloadingManager", "EvictionHook"]
 
@@ -272,7 +272,7 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> None:
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
-        note_policy_request(self._policy, check_keys(keys), ended=ended, continues=continues)
+        tell_request(self._policy, check_keys(keys), ended=ended, continues=continues)
 
     # -- stores -------------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ from tiering.managers.protocol import (
 )
 from tiering.managers.secondary_tier import SecondaryTier, TierKeyState
 from tiering.managers.tier_lookups import miss_sets, one_tier_lookup_result
-from tiering.policies.base import note_request as note_policy_request
+from tiering.policies.base import tell_request
 
 __all__ = ["TieringOffloadingManager"]
 
@@ -406,7 +406,7 @@ class TieringOffloadingManager(TieringLifecycle):
         key_list = check_keys(keys)
         self._check_open()
         # the primary's policy: its keys checked once, here
-        note_policy_request(self.primary.policy, key_list, ended=ended, continues=continues)
+        tell_request(self.primary.policy, key_list, ended=ended, continues=continues)
 
     # -- stores ----------------------------------------------------------------------------------
 

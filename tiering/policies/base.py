@@ -19,7 +19,7 @@ from typing import ClassVar
 from tiering.errors import InvalidArgumentError
 from tiering.policies._checks import check_insert_key
 
-__all__ = ["EvictionPolicy", "check_hint", "note_request", "takes_hints"]
+__all__ = ["EvictionPolicy", "check_hint", "takes_hints", "tell_request"]
 
 
 class EvictionPolicy(ABC):
@@ -229,7 +229,7 @@ def _takes(method: object) -> bool:
     )
 
 
-def note_request(
+def tell_request(
     policy: EvictionPolicy,
     keys: Sequence[bytes],
     *,

@@ -47,8 +47,7 @@ from typing import Any
 from tiering.errors import InvalidArgumentError, TieringError
 from tiering.policies import get_policy_class
 from tiering.policies.admission import FrequencyGate, default_width
-from tiering.policies.base import EvictionPolicy
-from tiering.policies.base import note_request as note_policy_request
+from tiering.policies.base import EvictionPolicy, tell_request
 from tiering.replay.belady import RequestMIN
 from tiering.replay.block_trace import BlockRequest, PrefixTrie
 from tiering.replay.forked_map import map_forked
@@ -206,7 +205,7 @@ def simulate_cpu(
         if hints is None:
             note_request(keys)  # as the managers do at a request's start
         else:
-            note_policy_request(policy, keys, continues=hints[index])
+            tell_request(policy, keys, continues=hints[index])
         missing: list[bytes] = []
         for i, key in enumerate(keys):
             if contains(key):
