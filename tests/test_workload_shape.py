@@ -39,7 +39,16 @@ CALIBRATED_SHA256 = {
 
 
 def _digest(requests: list[BlockRequest]) -> str:
-    return hashlib.sha256(repr(requests).encode()).hexdigest()[:16]
+    """The digest of the requests' repr as it was when the digests above were taken (before
+    ``continues``, which a generated request never has)."""
+    assert all(request.continues is None for request in requests)
+    legacy = ", ".join(
+        f"BlockRequest(request_id={r.request_id!r}, arrival_s={r.arrival_s!r}, "
+        f"input_tokens={r.input_tokens!r}, output_tokens={r.output_tokens!r}, "
+        f"block_ids={r.block_ids!r})"
+        for r in requests
+    )
+    return hashlib.sha256(f"[{legacy}]".encode()).hexdigest()[:16]
 
 
 def _sessions(requests: list[BlockRequest]) -> dict[str, list[BlockRequest]]:
