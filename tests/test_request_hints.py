@@ -24,7 +24,12 @@ from tiering.policies import ChainPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
 from tiering.policies.base import takes_hints, tell_request
 from tiering.replay import ReplayOptions, run_replay
-from tiering.replay.block_trace import read_block_trace, to_requests, write_mooncake
+from tiering.replay.block_trace import (
+    BlockRequest,
+    read_block_trace,
+    to_requests,
+    write_mooncake,
+)
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
 from tiering.replay.trace_jsonl import read_jsonl, write_jsonl
 from tiering.replay.trace_requests import Request, TraceError
@@ -164,17 +169,24 @@ def test_a_policy_that_ignores_hints_takes_the_same_victims_hinted(policy: str) 
     assert hinted.victims == plain.victims and hinted.flags == plain.flags
 
 
-def test_chain_hinted_the_truth_closes_more_of_the_gap() -> None:
-    """On a generated conversation trace, chain told which requests are continued holds more
-    prefix hits than chain alone (the table in docs/benchmarks.md measures how many)."""
+def conversation_truth() -> tuple[list[BlockRequest], list[list[bytes]], list[bool | None]]:
+    """The tiny generated conversation trace (seed 0) by arrival, its study keys, and per
+    request whether a later request holds its last block (the truth a hint could tell)."""
     requests = sorted(workload_trace("conversation", "tiny", 0), key=lambda r: r.arrival_s)
-    key_lists = study_trace_from_blocks(requests, 512).key_lists  # 9,072 unique blocks
+    key_lists = study_trace_from_blocks(requests, 512).key_lists
     later: set[bytes] = set()
     truth: list[bool | None] = []
     for keys in reversed(key_lists):
         truth.append(bool(keys) and keys[-1] in later)
         later.update(keys)
     truth.reverse()
+    return requests, key_lists, truth
+
+
+def test_chain_hinted_the_truth_closes_more_of_the_gap() -> None:
+    """On a generated conversation trace, chain told which requests are continued holds more
+    prefix hits than chain alone (the table in docs/benchmarks.md measures how many)."""
+    _, key_lists, truth = conversation_truth()  # 9,072 unique blocks
     capacity = 453  # 5 %: 2,183 blocks hit unhinted, 3,241 hinted
 
     def held(hints: list[bool | None] | None) -> int:
@@ -239,14 +251,7 @@ def test_a_tiering_jsonl_line_s_hint_is_read_written_and_checked(tmp_path: Path)
 def hinted_conversation_file(tmp_path: Path) -> tuple[Path, list[list[bytes]], list[bool | None]]:
     """The tiny generated conversation trace as a Mooncake file, every request hinted with
     whether a later one holds its last block; its study keys and hints."""
-    requests = sorted(workload_trace("conversation", "tiny", 0), key=lambda r: r.arrival_s)
-    key_lists = study_trace_from_blocks(requests, 512).key_lists
-    later: set[bytes] = set()
-    truth: list[bool | None] = []
-    for keys in reversed(key_lists):
-        truth.append(bool(keys) and keys[-1] in later)
-        later.update(keys)
-    truth.reverse()
+    requests, key_lists, truth = conversation_truth()
     path = tmp_path / "conversation.jsonl"
     hinted = [dataclasses.replace(r, continues=t) for r, t in zip(requests, truth, strict=True)]
     write_mooncake(hinted, path)
