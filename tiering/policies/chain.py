@@ -101,13 +101,13 @@ list: the plain search still applies) (``benchmarks/bench_metadata.py``).
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
+from tiering.policies._chain_ranks import BINS as _BINS
+from tiering.policies._chain_ranks import delay_bin, rank_knots
 from tiering.policies._chain_search import CLASSES as _CLASSES
 from tiering.policies._chain_search import LISTS as _LISTS
 from tiering.policies._chain_search import SHARED as _SHARED
@@ -131,7 +131,6 @@ from tiering.policies.base import check_hint
 
 __all__ = ["ChainClassStats", "ChainPolicy"]
 
-_BINS = 64  # half-octaves: delays up to 2**32 ticks
 _NO_KEYS: frozenset[bytes] = frozenset()
 
 
@@ -141,11 +140,6 @@ class ChainClassStats(NamedTuple):
     requests: float  #: requests whose new blocks went to this class
     continued: float  #: of those, continued by a later request
     delay_bins: tuple[float, ...]  #: the continuations' delays: bin b holds 2**(b/2)-1 ticks on
-
-
-def delay_bin(delay_ticks: int) -> int:
-    """The histogram bin of a delay: half-octaves of ``delay_ticks + 1``."""
-    return min(_BINS - 1, int(2 * math.log2(delay_ticks + 1)))
 
 
 class ChainPolicy(ListsPolicy):
@@ -508,8 +502,9 @@ class ChainPolicy(ListsPolicy):
 
     def _class_tables(self) -> list[list[float]]:
         """Per class, then for the shared list, its rank at ages ``2**(j/2) - 1`` (``j`` <
-        ``_BINS``), made non-increasing (see :func:`_rank_knots`); computed from the counts when
-        first needed and again once ``_TABLE_REQUESTS`` more requests were noted. The classes
+        ``_BINS``), made non-increasing (:func:`~tiering.policies._chain_ranks.rank_knots`);
+        computed from the counts when first needed and again once ``_TABLE_REQUESTS`` more
+        requests were noted. The classes
         start from their pooled estimate, the shared list from ``_SHARED_PRIOR_SHARE`` and the
         classes' pooled delays."""
         if self._tables is not None and self._requests_since_tables < self._TABLE_REQUESTS:
@@ -534,7 +529,7 @@ class ChainPolicy(ListsPolicy):
             weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
             total = sum(weights)
             knots = list(itertools.accumulate((weight / total for weight in weights), initial=0.0))
-            tables.append(_rank_knots(share, knots, self._horizon_ticks()))
+            tables.append(rank_knots(share, knots, self._horizon_ticks()))
         self._tables = tables
         self._negated = negated_tables(tables)
         return tables
@@ -556,35 +551,3 @@ def _shared_uses(shared: RecencyOrder, keys: Sequence[bytes], now: int, delays: 
         delays[delay_bin(max(0, now - stamp))] += 1
         used += 1
     return used
-
-
-def _rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[float]:
-    """P(continued within ``horizon_ticks`` | not by age ``a``) at ``a = 2**(j/2) - 1``, each
-    the least of it and those before: a block never ranks above a younger one of its class
-    (so classes that learned alike rank by age alone, as LRU)."""
-    ranks: list[float] = []
-    lowest = 1.0
-    points = _ahead_points(horizon_ticks)
-    # share <= 1 - 1e-3 and reached <= 1: the divisor is at least 1e-3.
-    for reached, (b, fraction) in zip(knots[:-1], points, strict=True):  # F at the knot
-        ahead = 1.0 if b >= _BINS else knots[b] + (knots[b + 1] - knots[b]) * fraction
-        chance = share * (ahead - reached) / (1.0 - share * reached)
-        if chance < lowest:
-            lowest = chance
-        ranks.append(lowest)
-    return ranks
-
-
-_KNOT_AGES = [2 ** (j / 2) - 1 for j in range(_BINS)]
-
-
-@functools.lru_cache(maxsize=16)
-def _ahead_points(horizon_ticks: int) -> tuple[tuple[int, float], ...]:
-    """Per knot, where F is read at the knot's age plus ``horizon_ticks``: the bin and the
-    fraction of it, as :func:`~tiering.policies._chain_search.rank_at` reads (the horizon
-    changes only when it is measured again, the tables every ``_TABLE_REQUESTS``)."""
-    points = []
-    for age in _KNOT_AGES:
-        x = 2 * math.log2(age + horizon_ticks + 1)
-        points.append((int(x), x - int(x)))
-    return tuple(points)
