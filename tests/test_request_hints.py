@@ -84,6 +84,43 @@ def test_a_continuation_hinted_to_continue_keeps_its_learned_class() -> None:
     assert set(policy.list_keys(2)) == {k(0), k(1), k(2)}
 
 
+def test_hints_that_tell_nothing_stop_being_followed() -> None:
+    """Every fresh request hinted to be continued, none continued: the hint is followed while
+    the belief that hints are right outweighs what was seen, then no more."""
+    policy = ChainPolicy(1000)
+    followed = []
+    for i in range(12):
+        before = policy.class_stats[1].requests
+        policy.note_request([k(10 * i), k(10 * i + 1)], continues=True)
+        followed.append(policy.class_stats[1].requests > before)
+    # The share of hinted requests continued, from a prior of 4 right ones: 4 / (n + 4) with
+    # n requests counted; followed while it is at least 0.1 above all requests' share (0 here).
+    assert followed == [True] * 12  # 4 / 16 = 0.25 >= 0.1: still followed
+    for i in range(12, 40):
+        policy.note_request([k(10 * i), k(10 * i + 1)], continues=True)
+    assert policy.hint_stats[True] == (40.0, 0.0)
+    before = policy.class_stats[0].requests
+    policy.note_request([k(9000)], continues=True)  # 4 / 45 < 0.1: not followed
+    assert policy.class_stats[0].requests == before + 1
+
+
+def test_hints_that_tell_continued_requests_apart_keep_being_followed() -> None:
+    policy = ChainPolicy(1000)
+    for i in range(40):  # one hinted request continued (True), one not (False), in turn
+        kept, dropped = [k(100 * i), k(100 * i + 1)], [k(100 * i + 50)]
+        policy.note_request(kept, continues=True)
+        policy.note_request(dropped, continues=False)
+        policy.note_request([*kept, k(100 * i + 2)])  # continues ``kept``
+    requests_true, continued_true = policy.hint_stats[True]
+    assert (requests_true, continued_true) == (40.0, 40.0)
+    assert policy.hint_stats[False] == (40.0, 0.0)
+    before = [stats.requests for stats in policy.class_stats]
+    policy.note_request([k(5000)], continues=True)
+    policy.note_request([k(6000), k(5000)], continues=False)  # continues it, hinted the end
+    after = [stats.requests for stats in policy.class_stats]
+    assert [a - b for a, b in zip(after, before, strict=True)][:3] == [1, 1, 0]
+
+
 def test_a_hint_at_the_request_s_end_classes_it_then() -> None:
     policy = ChainPolicy(100)
     policy.insert_new([k(0), k(1)])

@@ -10,8 +10,9 @@ from tiering.policies._order import RecencyOrder
 
 __all__ = ["Tails", "remember_tails"]
 
-#: Per tail key: the class of the request it ends, the time, its depth from that request's end.
-Tails = OrderedDict[bytes, tuple[int, int, int]]
+#: Per tail key: the class of the request it ends, the time, its depth from that request's end,
+#: and that request's hint (``continues``: True, False or None).
+Tails = OrderedDict[bytes, tuple[int, int, int, bool | None]]
 
 
 def remember_tails(
@@ -22,13 +23,15 @@ def remember_tails(
     continued: bytes | None,
     used_in: Sequence[RecencyOrder],
     now: int,
+    hint: bool | None = None,
 ) -> None:
     """Remember the keys of a request at ``depths`` from its end (``1``: its last key; the
     deepest first) as its tails, past the last two only those in its last 1/``reach_divisor``
     (a request holding one then shares nearly all of this one, as a continuation does;
     deeper, it may share a prefix many requests start from): the one it ``continued``, and
     those no list of ``used_in`` holds (held there, a block others share). The oldest are
-    forgotten past ``limit``. ``rule`` is ``(depths, reach_divisor, limit)``."""
+    forgotten past ``limit``. ``rule`` is ``(depths, reach_divisor, limit)``; ``hint``: the
+    request's, kept with its tails."""
     depths, reach_divisor, limit = rule
     count = len(keys)
     reach = min(count, max(2, count // reach_divisor))
@@ -41,9 +44,9 @@ def remember_tails(
                 if key in order._main or key in order._parked:
                     break
             else:
-                tails[key] = (request_class, now, depth)
+                tails[key] = (request_class, now, depth, hint)
                 tails.move_to_end(key)
         else:  # forgotten when it was found: back as the newest
-            tails[key] = (request_class, now, depth)
+            tails[key] = (request_class, now, depth, hint)
     while len(tails) > limit:
         tails.popitem(last=False)

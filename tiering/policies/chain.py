@@ -36,8 +36,11 @@ prompt, a document others read):
   depths, not only the last keys: in 16-token blocks the shared point is often many keys
   before a request's end, and with the last two only chain lost to LRU on documents. A
   caller's hint overrides the class: a request it expects to be continued (``continues``
-  true) is at least class 1, one it expects not to be is class 0; every statistic is still
-  learned from what the requests do, so a wrong hint costs hits and breaks nothing.
+  true) is at least class 1, one it expects not to be is class 0, while hints of that value
+  tell continued requests apart: the share of the requests so hinted that were continued
+  (from a prior of ``_HINT_PRIOR_REQUESTS`` right ones) is ``_HINT_MARGIN`` above, or below,
+  that of all requests. Every statistic is learned from what the requests do, so a wrong hint
+  costs hits and a hint source that tells nothing is soon not followed.
 - **Stores.** A noted request's new blocks go to its class, the deepest ranked oldest (a block
   is of no use without the blocks before it, so a request's blocks go from the deepest up),
   except its *ghosts* (below), which go back to the shared list; any other store goes to
@@ -167,6 +170,11 @@ class ChainPolicy(ListsPolicy):
     _GHOST_CAPACITIES: ClassVar[int] = 2
     #: The share of the shared list's waits ended by a use that its estimate starts from.
     _SHARED_PRIOR_SHARE: ClassVar[float] = 0.5
+    #: A hint is followed while the share of the requests it named that were continued is
+    #: this far from the share of all requests (above for ``True``, below for ``False``) ...
+    _HINT_MARGIN: ClassVar[float] = 0.1
+    #: ... starting from the hint being right, with the weight of this many requests.
+    _HINT_PRIOR_REQUESTS: ClassVar[float] = 4.0
     #: Search lists with nothing released out of order by reading their heads in place
     #: (:mod:`~tiering.policies._chain_search`); tests turn it off to check both searches.
     _PLAIN_SEARCH: ClassVar[bool] = True
@@ -179,6 +187,8 @@ class ChainPolicy(ListsPolicy):
         self._requests = [0.0] * _LISTS
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
+        self._hint_requests = {True: 0.0, False: 0.0}  # requests hinted so, and of them
+        self._hint_continued = {True: 0.0, False: 0.0}  # those continued later
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # shared victims: key -> stamp
         self._to_shared: frozenset[bytes] = _NO_KEYS  # the noted request's ghosts
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
@@ -204,6 +214,14 @@ class ChainPolicy(ListsPolicy):
         )
 
     @property
+    def hint_stats(self) -> dict[bool, tuple[float, float]]:
+        """Per hint value, the requests so hinted and how many of them were continued (counts
+        halved as the classes' are)."""
+        return {
+            hint: (self._hint_requests[hint], self._hint_continued[hint]) for hint in (True, False)
+        }
+
+    @property
     def tail_keys(self) -> tuple[bytes, ...]:
         """The remembered tails, the oldest first."""
         return tuple(self._tails)
@@ -222,7 +240,7 @@ class ChainPolicy(ListsPolicy):
         now = self._now()
         self._to_shared = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now, continues)
-        self._remember(keys, request_class, continued, self._lists, now)  # held before: no
+        self._remember(keys, request_class, continued, self._lists, now, continues)  # held: no
         self._request_class = request_class
         self._request_keys = tuple(keys)
         self._request_set = None
@@ -242,7 +260,7 @@ class ChainPolicy(ListsPolicy):
         back = self._ghost_uses(keys, now) if self._ghosts else _NO_KEYS
         request_class, continued = self._classify(keys, now, continues)
         # Not a block it used: one it stored is in class 0 (or gone).
-        self._remember(keys, request_class, continued, lists[1:], now)
+        self._remember(keys, request_class, continued, lists[1:], now, continues)
         self._sync_clocks()
         if back:  # stored again in class 0: the shared list's
             lists[_SHARED].gather_all([key for key in keys if key in back], lists[:1])
@@ -275,7 +293,9 @@ class ChainPolicy(ListsPolicy):
         found_key = next(filter(tails.__contains__, reversed(keys)), None)  # the deepest
         request_class = 0
         if found_key is not None:
-            continued_class, at, depth = tails.pop(found_key)  # continued once from this turn
+            continued_class, at, depth, hinted = tails.pop(found_key)  # continued from this turn
+            if hinted is not None:
+                self._hint_continued[hinted] += 1
             self._continued[continued_class] += 1
             self._delays[continued_class][delay_bin(now - at)] += 1
             if depth <= self._CONTINUE_DEPTH:
@@ -283,10 +303,29 @@ class ChainPolicy(ListsPolicy):
             else:  # a branch: class 0, and the key is a tail only as any other key is
                 found_key = None
         if continues is not None:
-            request_class = max(request_class, 1) if continues else 0
+            self._hint_requests[continues] += 1
+            if self._hint_holds(continues):
+                request_class = max(request_class, 1) if continues else 0
         self._requests[request_class] += 1
         self._requests_since_tables += 1
         return request_class, found_key
+
+    def _hint_holds(self, continues: bool) -> bool:
+        """Whether hints of this value have told continued requests apart: the share of the
+        requests so hinted that were continued (starting from the hint being right, with the
+        weight of ``_HINT_PRIOR_REQUESTS`` requests) is ``_HINT_MARGIN`` above (``True``) or
+        below (``False``) the share of all requests."""
+        requests, continued = self._requests, self._continued
+        total = requests[0] + requests[1] + requests[2]
+        pooled = (continued[0] + continued[1] + continued[2]) / total if total > 0 else 0.5
+        prior = self._HINT_PRIOR_REQUESTS
+        right = 1.0 if continues else 0.0
+        share = (self._hint_continued[continues] + prior * right) / (
+            self._hint_requests[continues] + prior
+        )
+        if continues:
+            return share >= pooled + self._HINT_MARGIN
+        return share <= pooled - self._HINT_MARGIN
 
     def _remember(
         self,
@@ -295,10 +334,11 @@ class ChainPolicy(ListsPolicy):
         continued: bytes | None,
         used_in: Sequence[RecencyOrder],
         now: int,
+        hint: bool | None,
     ) -> None:
-        """Remember the request's tails (:func:`remember_tails`)."""
+        """Remember the request's tails (:func:`remember_tails`), with its hint."""
         rule = (self._TAIL_DEPTHS, self._TAIL_REACH, self._TAIL_CAPACITIES * max(self.capacity, 1))
-        remember_tails(self._tails, keys, rule, request_class, continued, used_in, now)
+        remember_tails(self._tails, keys, rule, request_class, continued, used_in, now, hint)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
 
@@ -392,6 +432,9 @@ class ChainPolicy(ListsPolicy):
                 self._requests[c] /= 2
                 self._continued[c] /= 2
                 self._delays[c] = [count / 2 for count in self._delays[c]]
+            for hint in (True, False):
+                self._hint_requests[hint] /= 2
+                self._hint_continued[hint] /= 2
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
         if evictable and len(keys) > 1 and keys[0] not in self._lists[0]._pinned_in_place:
@@ -450,6 +493,8 @@ class ChainPolicy(ListsPolicy):
         self._requests = [0.0] * _LISTS
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
+        self._hint_requests = {True: 0.0, False: 0.0}
+        self._hint_continued = {True: 0.0, False: 0.0}
         self._ghosts.clear()
         self._to_shared = _NO_KEYS
         self._tables = None
