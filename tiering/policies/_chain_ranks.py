@@ -5,9 +5,10 @@ each knot age, made non-increasing."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
-__all__ = ["BINS", "delay_bin", "rank_knots"]
+__all__ = ["BINS", "delay_bin", "rank_knots", "rank_tables"]
 
 BINS = 64  # half-octaves: delays up to 2**32 ticks
 
@@ -47,3 +48,39 @@ def _ahead_points(horizon_ticks: int) -> tuple[tuple[int, float], ...]:
         x = 2 * math.log2(age + horizon_ticks + 1)
         points.append((int(x), x - int(x)))
     return tuple(points)
+
+
+def rank_tables(
+    counts: tuple[list[float], list[float], list[list[float]]],
+    classes: int,
+    priors: tuple[float, float],
+    capacity: int,
+    horizon_ticks: int,
+) -> list[list[float]]:
+    """Per list, its ranks at the knot ages (:func:`rank_knots`), from ``counts``: per list
+    (the ``classes`` classes, then the shared list), its requests, those continued, and the
+    histogram of their delays. ``priors``: the weight in requests of the pooled estimate each
+    list starts from, and the shared list's prior share. The classes start from the classes'
+    pooled share, the shared list from its prior share, every list from the classes' pooled
+    delays (nothing learned yet: delays of about a ``capacity``)."""
+    requests, continued, delays = counts
+    prior, shared_prior_share = priors
+    all_requests, all_continued = sum(requests[:classes]), sum(continued[:classes])
+    pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
+    pooled = [sum(per_bin) for per_bin in zip(*delays[:classes], strict=True)]
+    pooled_total = sum(pooled)
+    if pooled_total > 0:
+        prior_bins = [prior * count / pooled_total for count in pooled]
+    else:
+        prior_bins = [0.0] * BINS
+        prior_bins[delay_bin(capacity)] = prior
+    tables = []
+    for c in range(len(requests)):
+        prior_share = pooled_share if c < classes else shared_prior_share
+        share = (continued[c] + prior * prior_share) / (requests[c] + prior)
+        share = min(max(share, 1e-3), 1 - 1e-3)
+        weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
+        total = sum(weights)
+        knots = list(itertools.accumulate((weight / total for weight in weights), initial=0.0))
+        tables.append(rank_knots(share, knots, horizon_ticks))
+    return tables

@@ -104,13 +104,13 @@ list: the plain search still applies) (``benchmarks/bench_metadata.py``).
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar, NamedTuple
 
+from tiering.policies._chain_hints import HintRecord
 from tiering.policies._chain_ranks import BINS as _BINS
-from tiering.policies._chain_ranks import delay_bin, rank_knots
+from tiering.policies._chain_ranks import delay_bin, rank_tables
 from tiering.policies._chain_search import CLASSES as _CLASSES
 from tiering.policies._chain_search import LISTS as _LISTS
 from tiering.policies._chain_search import SHARED as _SHARED
@@ -187,8 +187,7 @@ class ChainPolicy(ListsPolicy):
         self._requests = [0.0] * _LISTS
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
-        self._hint_requests = {True: 0.0, False: 0.0}  # requests hinted so, and of them
-        self._hint_continued = {True: 0.0, False: 0.0}  # those continued later
+        self._hints = HintRecord(self._HINT_MARGIN, self._HINT_PRIOR_REQUESTS)
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # shared victims: key -> stamp
         self._to_shared: frozenset[bytes] = _NO_KEYS  # the noted request's ghosts
         self._tables: list[list[float]] | None = None  # per class: ranks by age (knots)
@@ -217,9 +216,7 @@ class ChainPolicy(ListsPolicy):
     def hint_stats(self) -> dict[bool, tuple[float, float]]:
         """Per hint value, the requests so hinted and how many of them were continued (counts
         halved as the classes' are)."""
-        return {
-            hint: (self._hint_requests[hint], self._hint_continued[hint]) for hint in (True, False)
-        }
+        return self._hints.stats()
 
     @property
     def tail_keys(self) -> tuple[bytes, ...]:
@@ -295,7 +292,7 @@ class ChainPolicy(ListsPolicy):
         if found_key is not None:
             continued_class, at, depth, hinted = tails.pop(found_key)  # continued from this turn
             if hinted is not None:
-                self._hint_continued[hinted] += 1
+                self._hints.continued[hinted] += 1
             self._continued[continued_class] += 1
             self._delays[continued_class][delay_bin(now - at)] += 1
             if depth <= self._CONTINUE_DEPTH:
@@ -303,29 +300,15 @@ class ChainPolicy(ListsPolicy):
             else:  # a branch: class 0, and the key is a tail only as any other key is
                 found_key = None
         if continues is not None:
-            self._hint_requests[continues] += 1
-            if self._hint_holds(continues):
+            self._hints.requests[continues] += 1
+            requests, continued = self._requests, self._continued
+            total = requests[0] + requests[1] + requests[2]
+            pooled = (continued[0] + continued[1] + continued[2]) / total if total > 0 else 0.5
+            if self._hints.holds(continues, pooled):
                 request_class = max(request_class, 1) if continues else 0
         self._requests[request_class] += 1
         self._requests_since_tables += 1
         return request_class, found_key
-
-    def _hint_holds(self, continues: bool) -> bool:
-        """Whether hints of this value have told continued requests apart: the share of the
-        requests so hinted that were continued (starting from the hint being right, with the
-        weight of ``_HINT_PRIOR_REQUESTS`` requests) is ``_HINT_MARGIN`` above (``True``) or
-        below (``False``) the share of all requests."""
-        requests, continued = self._requests, self._continued
-        total = requests[0] + requests[1] + requests[2]
-        pooled = (continued[0] + continued[1] + continued[2]) / total if total > 0 else 0.5
-        prior = self._HINT_PRIOR_REQUESTS
-        right = 1.0 if continues else 0.0
-        share = (self._hint_continued[continues] + prior * right) / (
-            self._hint_requests[continues] + prior
-        )
-        if continues:
-            return share >= pooled + self._HINT_MARGIN
-        return share <= pooled - self._HINT_MARGIN
 
     def _remember(
         self,
@@ -432,9 +415,7 @@ class ChainPolicy(ListsPolicy):
                 self._requests[c] /= 2
                 self._continued[c] /= 2
                 self._delays[c] = [count / 2 for count in self._delays[c]]
-            for hint in (True, False):
-                self._hint_requests[hint] /= 2
-                self._hint_continued[hint] /= 2
+            self._hints.halve()
 
     def set_evictable_many(self, keys: Sequence[bytes], evictable: bool) -> None:
         if evictable and len(keys) > 1 and keys[0] not in self._lists[0]._pinned_in_place:
@@ -493,8 +474,7 @@ class ChainPolicy(ListsPolicy):
         self._requests = [0.0] * _LISTS
         self._continued = [0.0] * _LISTS
         self._delays = [[0.0] * _BINS for _ in range(_LISTS)]
-        self._hint_requests = {True: 0.0, False: 0.0}
-        self._hint_continued = {True: 0.0, False: 0.0}
+        self._hints.clear()
         self._ghosts.clear()
         self._to_shared = _NO_KEYS
         self._tables = None
@@ -546,35 +526,19 @@ class ChainPolicy(ListsPolicy):
         return max(1, round(capacity * ratio))
 
     def _class_tables(self) -> list[list[float]]:
-        """Per class, then for the shared list, its rank at ages ``2**(j/2) - 1`` (``j`` <
-        ``_BINS``), made non-increasing (:func:`~tiering.policies._chain_ranks.rank_knots`);
-        computed from the counts when first needed and again once ``_TABLE_REQUESTS`` more
-        requests were noted. The classes
-        start from their pooled estimate, the shared list from ``_SHARED_PRIOR_SHARE`` and the
-        classes' pooled delays."""
+        """Per class, then for the shared list, its ranks at the knot ages
+        (:func:`~tiering.policies._chain_ranks.rank_tables`), computed from the counts when
+        first needed and again once ``_TABLE_REQUESTS`` more requests were noted."""
         if self._tables is not None and self._requests_since_tables < self._TABLE_REQUESTS:
             return self._tables
         self._requests_since_tables = 0
-        requests, continued, delays = self._requests, self._continued, self._delays
-        all_requests, all_continued = sum(requests[:_CLASSES]), sum(continued[:_CLASSES])
-        pooled_share = all_continued / all_requests if all_requests > 0 else 0.5
-        pooled = [sum(counts) for counts in zip(*delays[:_CLASSES], strict=True)]
-        pooled_total = sum(pooled)
-        prior = self._PRIOR_REQUESTS
-        if pooled_total > 0:
-            prior_bins = [prior * count / pooled_total for count in pooled]
-        else:  # nothing learned yet: delays of about a capacity
-            prior_bins = [0.0] * _BINS
-            prior_bins[delay_bin(max(self.capacity, 1))] = prior
-        tables = []
-        for c in range(_LISTS):
-            prior_share = pooled_share if c < _CLASSES else self._SHARED_PRIOR_SHARE
-            share = (continued[c] + prior * prior_share) / (requests[c] + prior)
-            share = min(max(share, 1e-3), 1 - 1e-3)
-            weights = [count + extra for count, extra in zip(delays[c], prior_bins, strict=True)]
-            total = sum(weights)
-            knots = list(itertools.accumulate((weight / total for weight in weights), initial=0.0))
-            tables.append(rank_knots(share, knots, self._horizon_ticks()))
+        tables = rank_tables(
+            (self._requests, self._continued, self._delays),
+            _CLASSES,
+            (self._PRIOR_REQUESTS, self._SHARED_PRIOR_SHARE),
+            max(self.capacity, 1),
+            self._horizon_ticks(),
+        )
         self._tables = tables
         self._negated = negated_tables(tables)
         return tables
