@@ -30,7 +30,12 @@ from tiering.replay.block_trace import (
     to_requests,
     write_mooncake,
 )
-from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
+from tiering.replay.study import (
+    policy_study,
+    prefix_hits,
+    simulate_cpu,
+    study_trace_from_blocks,
+)
 from tiering.replay.trace_jsonl import read_jsonl, write_jsonl
 from tiering.replay.trace_requests import Request, TraceError
 from tiering.replay.workloads import workload_trace
@@ -353,3 +358,14 @@ def test_the_replay_gives_each_request_s_hint_to_the_primary_policy(
     )
     run_replay(cfg, ReplayOptions(trace=str(trace), engine_blocks=512, progress=False))
     assert _HintRecorder.hints == hints
+
+
+def test_replay_s_policy_study_gives_the_hints_too() -> None:
+    _, key_lists, truth = conversation_truth()
+    rows = policy_study(key_lists, [453], ["chain", "lru"], hints=truth)
+    ratios = {row["policy"]: row["prefix_hit_ratio"] for row in rows}
+    total = sum(map(len, key_lists))
+    hinted = simulate_cpu(make("chain", 453), key_lists, hints=truth)
+    assert ratios["chain"] == round(sum(prefix_hits(hinted.flags, key_lists)) / total, 4)
+    unhinted = policy_study(key_lists, [453], ["chain"], hints=[None] * len(key_lists))
+    assert unhinted[0]["prefix_hit_ratio"] < ratios["chain"]

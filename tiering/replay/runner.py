@@ -236,7 +236,10 @@ def _main(args: argparse.Namespace) -> int:
         fractions = study_options.fractions
         capacities = sorted({max(1, math.ceil(unique * f)) for f in fractions})
         policies = study_options.policies
-        study = policy_study(key_lists, capacities, policies, progress=options.progress)
+        hints = [r.continues for r in requests]
+        study = policy_study(
+            key_lists, capacities, policies, progress=options.progress, hints=hints
+        )
         report["policy_study"] = study
         if args.plot:
             plot_study(study, args.plot)

@@ -498,10 +498,12 @@ def policy_study(
     policies: Sequence[str],
     *,
     progress: bool = False,
+    hints: Sequence[bool | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Block and usable-prefix hit ratios of each policy and of Belady's bound, per capacity
-    (``replay --policy-study``: one tier, no bytes)."""
-    trace = StudyTrace([list(k) for k in key_lists], [0] * len(key_lists), 0)
+    (``replay --policy-study``: one tier, no bytes); ``hints``: per request, the client's."""
+    given = list(hints) if hints is not None and any(h is not None for h in hints) else None
+    trace = StudyTrace([list(k) for k in key_lists], [0] * len(key_lists), 0, given)
     rows = run_study(trace, capacities, policies, progress=progress)
     keep = (
         "policy",
