@@ -83,7 +83,7 @@ closes 19-28 % of the LRU -> Belady gap on conversations, 15-23 % on documents, 
 production mix (docs/benchmarks.md); on the public Mooncake traces (nothing set on them),
 within 0.2 points at all 10 points. Most of the rest is whether a request will be continued,
 which those traces do not show: with the hint, right for every request, the same classes close
-67-99 % at 5 %, and 36-63 % with one hint in ten wrong (``benchmarks/bench_headroom.py``).
+57-98 % at 5 %, and 33-63 % with one hint in ten wrong (``benchmarks/bench_headroom.py``).
 Told no requests (a manager that does not know them) every new block goes to class 0, nothing
 is shared and no class learns anything, so they rank alike and the older head goes: it is
 LRU, victim for victim (tested).
