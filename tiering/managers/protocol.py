@@ -355,8 +355,12 @@ class OffloadingManager(ABC):
         works as before. ``continues`` is the caller's hint, if it has one: ``True`` if it
         expects a later request to continue this one (an open chat session), ``False`` if it
         expects none to (a one-off call); anything else raises InvalidArgumentError, changing
-        nothing. A hint only ranks blocks (``chain`` uses it). The default does nothing."""
-        return
+        nothing. A hint only ranks blocks (``chain`` uses it). The default checks the hint
+        and does nothing."""
+        if continues is not None and type(continues) is not bool:
+            raise InvalidArgumentError(
+                f"continues must be True, False or None (not known), got {continues!r:.80}"
+            )
 
     # -- stores -----------------------------------------------------------------------------------
 

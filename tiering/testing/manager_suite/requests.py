@@ -1,5 +1,6 @@
-"""``ManagerTests``, requests, steps and stats: request hooks and contexts; step ends and
-pending work; ``store_threshold``; ``get_stats`` deltas and ``config_info``.
+"""``ManagerTests``, requests, steps and stats: request hooks and contexts; a request's keys
+told with a hint; step ends and pending work; ``store_threshold``; ``get_stats`` deltas and
+``config_info``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ class ManagerRequestTests(ManagerTestsBase):
         manager.on_request_finished(context)
         manager.on_schedule_end()
         assert manager.lookup_result(k(1)) is HIT
+
+    def test_a_request_told_with_a_hint_serves_what_it_held(
+        self, new_manager: ManagerFactory
+    ) -> None:
+        manager = new_manager()
+        self.store(manager, [k(1), k(2)])
+        for hint in (True, False, None):
+            manager.note_request([k(1), k(2), k(3)], continues=hint)
+        manager.note_request([k(1), k(2)], ended=True, continues=True)
+        assert [manager.lookup_result(key) for key in (k(1), k(2))] == [HIT, HIT]
+        for bad in ("yes", 1):
+            with pytest.raises(InvalidArgumentError, match="continues must be True, False or"):
+                manager.note_request([k(1)], continues=bad)  # type: ignore[arg-type]
+        assert [manager.lookup_result(key) for key in (k(1), k(2))] == [HIT, HIT]
 
     def test_unhashable_context_without_req_id_is_rejected(
         self, new_manager: ManagerFactory
