@@ -73,6 +73,12 @@ class EvictionPolicy(ABC):
       :attr:`rule_switches` counts its changes. A policy of one rule (LRU, ARC) names itself
       and never switches; an adaptive one (``hybrid``) names the rule it follows at the moment.
       Metrics read them from another thread: each is an attribute read, nothing more.
+    - :attr:`hints_followed` counts the hinted requests whose hint the policy followed (ranked
+      the request as the hint says), so that an operator sees whether a hint source is
+      followed: a counter, never smaller, kept through :meth:`clear`, read as
+      :attr:`rule_switches` is. ``None`` (the default) for a policy that does not follow hints
+      (LRU, ARC, ``hybrid``); one that follows them only while they prove right (``chain``)
+      counts only those it followed.
     - No method blocks or does I/O; none is thread-safe.
     """
 
@@ -100,6 +106,13 @@ class EvictionPolicy(ABC):
         """How many times :attr:`rule` changed since the policy was built (a counter: kept
         through :meth:`clear`). The default: 0."""
         return 0
+
+    @property
+    def hints_followed(self) -> int | None:
+        """How many hinted requests (:meth:`note_request`, :meth:`note_finished_request`) the
+        policy followed the hint of (a counter: kept through :meth:`clear`), or ``None`` (the
+        default) if it does not follow hints."""
+        return None
 
     @abstractmethod
     def __len__(self) -> int:

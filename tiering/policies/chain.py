@@ -214,9 +214,10 @@ class ChainPolicy(ListsPolicy):
 
     @property
     def hint_stats(self) -> dict[bool, tuple[float, float]]:
-        """Per hint value, the requests so hinted and how many of them were continued (counts
-        halved as the classes' are)."""
+        """Per hint value, the requests so hinted and how many were continued (both halved)."""
         return self._hints.stats()
+
+    hints_followed = property(HintRecord.followed_by)  # a counter: never halved, kept by clear()
 
     @property
     def tail_keys(self) -> tuple[bytes, ...]:
@@ -304,7 +305,7 @@ class ChainPolicy(ListsPolicy):
             requests, continued = self._requests, self._continued
             total = requests[0] + requests[1] + requests[2]
             pooled = (continued[0] + continued[1] + continued[2]) / total if total > 0 else 0.5
-            if self._hints.holds(continues, pooled):
+            if self._hints.follows(continues, pooled):
                 request_class = max(request_class, 1) if continues else 0
         self._requests[request_class] += 1
         self._requests_since_tables += 1

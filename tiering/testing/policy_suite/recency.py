@@ -1,6 +1,7 @@
 """``PolicyTests``, recency: ``touch`` and ``refresh`` order (a refresh is not a use), absent
 keys ignored, a single key instead of a sequence rejected; a request's notes with a hint keep
-what is held and evictable, and a bad hint changes nothing.
+what is held and evictable (``hints_followed``, if the policy counts them, a counter), and a
+bad hint changes nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class PolicyRecencyTests(PolicyTestsBase):
         fill(policy, 6)
         policy.set_evictable(policy_key(1), False)
         held = sorted(policy)
+        followed = policy.hints_followed
         request = [policy_key(i) for i in (0, 1, 2, 40, 41)]  # held, pinned, held, absent
         policy.note_request(request, continues=True)
         policy.note_request([policy_key(3), policy_key(42)], continues=False)
@@ -125,6 +127,15 @@ class PolicyRecencyTests(PolicyTestsBase):
         victims = policy.evict(5)
         assert victims is not None and policy_key(1) not in victims
         assert policy.evict(1) is None  # the pinned key stays
+        # The hints followed: none (a policy that follows no hints), or a counter that counted
+        # at most the three hinted requests and that clear() keeps.
+        counted = policy.hints_followed
+        if followed is None:
+            assert counted is None
+        else:
+            assert type(counted) is int and followed <= counted <= followed + 3
+            policy.clear()
+            assert policy.hints_followed == counted
 
     @pytest.mark.parametrize("hint", ["yes", 1, 0.0])
     def test_a_hint_other_than_a_bool_or_none_is_refused(
@@ -134,9 +145,9 @@ class PolicyRecencyTests(PolicyTestsBase):
         if not takes_hints(policy):
             pytest.skip("the policy takes no hints (a manager keeps them from it)")
         fill(policy, 3)
-        before = policy_state(policy)
+        before = (policy_state(policy), policy.hints_followed)
         with pytest.raises(InvalidArgumentError, match="continues must be True, False or None"):
             policy.note_request([policy_key(0), policy_key(9)], continues=hint)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match="continues must be True, False or None"):
             policy.note_finished_request([policy_key(0)], continues=hint)  # type: ignore[arg-type]
-        assert policy_state(policy) == before
+        assert (policy_state(policy), policy.hints_followed) == before
