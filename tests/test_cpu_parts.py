@@ -124,16 +124,34 @@ def test_admission_counts_offers_in_vllms_order() -> None:
 
 
 def test_counters_report_their_growth_since_the_last_call() -> None:
-    counts = CPUCounters()
+    counts = CPUCounters(make_policy("lru", 4))
     counts.stored_blocks += 3
     counts.stores_skipped += 1
-    assert counts.growth() == {
+    counts.note_hint(True)
+    counts.note_hint(None)  # not hinted: not counted
+    assert counts.growth() == {  # LRU follows no hints: no hints_followed
         "stored_blocks": 3,
         "failed_stores": 0,
         "evicted_blocks": 0,
         "loaded_blocks": 0,
         "stores_skipped": 1,
+        "hinted_requests": 1,
     }
     counts.stored_blocks += 2
+    counts.note_hint(False)
     assert counts.growth()["stored_blocks"] == 2
     assert counts.as_dict()["stored_blocks"] == 5
+    assert counts.as_dict()["hinted_requests"] == 2
+
+
+def test_the_counters_read_the_hints_a_policy_followed() -> None:
+    policy = make_policy("chain", 4)
+    counts = CPUCounters(policy)
+    assert counts.growth()["hints_followed"] == 0
+    policy.note_request([k(0)], continues=True)  # a fresh policy follows hints ``True``
+    policy.note_request([k(1)], continues=True)
+    # Not ``False`` while no request was continued: it would tell none apart from the others.
+    policy.note_request([k(2)], continues=False)
+    assert counts.growth()["hints_followed"] == 2
+    policy.clear()  # a counter: kept
+    assert counts.growth()["hints_followed"] == 0 and counts.as_dict()["hints_followed"] == 2

@@ -20,7 +20,8 @@ from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.errors import InvalidArgumentError
 from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
-from tiering.policies import ChainPolicy, LRUPolicy, register_policy
+from tiering.observability.metrics import read_samples
+from tiering.policies import ChainPolicy, EvictionPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
 from tiering.policies.base import takes_hints, tell_request
 from tiering.replay import ReplayOptions, run_replay
@@ -168,6 +169,110 @@ def test_both_managers_pass_the_hint_to_the_primary_policy(ended: bool) -> None:
         assert isinstance(policy, ChainPolicy)
         manager.note_request(keys, ended=ended, continues=True)
         assert [stats.requests for stats in policy.class_stats] == [0, 1, 0, 0]
+
+
+# -- hints followed: the policy's counter, the managers' counts --------------------------------
+
+
+def managers(policy: str) -> list[CPUOffloadingManager | TieringOffloadingManager]:
+    """A CPU manager and a tiering manager (no tiers), each with its own ``policy``."""
+    tiering = TieringOffloadingManager(
+        CPUOffloadingManager(4, policy), [], pool=torch.zeros(4, 8, dtype=torch.uint8)
+    )
+    return [CPUOffloadingManager(4, policy), tiering]
+
+
+def primary_policy(manager: CPUOffloadingManager | TieringOffloadingManager) -> EvictionPolicy:
+    return manager.policy if isinstance(manager, CPUOffloadingManager) else manager.primary.policy
+
+
+def hint_growth(manager: CPUOffloadingManager | TieringOffloadingManager) -> tuple[int, ...]:
+    """``hinted_requests`` (and ``hints_followed``, if reported) since the previous call."""
+    cpu = manager.get_stats()["CPU"]
+    return tuple(cpu[name] for name in ("hinted_requests", "hints_followed") if name in cpu)
+
+
+def tell_right_hints(
+    manager: CPUOffloadingManager | TieringOffloadingManager, rounds: range
+) -> None:
+    """Per round, a request hinted to be continued (the round's last request, unhinted,
+    continues it) and one hinted not to be (none does)."""
+    for i in rounds:
+        kept, dropped = [key(100 * i), key(100 * i + 1)], [key(100 * i + 50)]
+        manager.note_request(kept, continues=True)
+        manager.note_request(dropped, continues=False)
+        manager.note_request([*kept, key(100 * i + 2)])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "tiering"])
+def test_chain_follows_right_hints_and_the_managers_count_them(kind: str) -> None:
+    manager = managers("chain")[kind == "tiering"]
+    policy = primary_policy(manager)
+    assert isinstance(policy, ChainPolicy)
+    assert hint_growth(manager) == (0, 0)
+    tell_right_hints(manager, range(40))
+    # Every True; every False but the first: while no request had been continued, all
+    # requests' share continued is 0, and hints False tell none apart from the others.
+    assert hint_growth(manager) == (80, 79)
+    assert policy.hints_followed == 79
+    with pytest.raises(InvalidArgumentError):
+        manager.note_request([key(9000)], continues="yes")  # type: ignore[arg-type]
+    assert hint_growth(manager) == (0, 0)  # a bad hint counts nothing
+    tell_right_hints(manager, range(40, 50))
+    assert hint_growth(manager) == (20, 20)
+    manager.reset_cache()  # the policy forgets what it learned; its counter is kept
+    assert policy.hints_followed == 99 and policy.hint_stats[True] == (0.0, 0.0)
+    assert hint_growth(manager) == (0, 0)
+    if isinstance(manager, CPUOffloadingManager):
+        totals = manager.counters()
+    else:
+        totals = manager.metrics()["primary"]
+    assert (totals["hinted_requests"], totals["hints_followed"]) == (100, 99)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "tiering"])
+def test_chain_stops_following_hints_that_tell_nothing(kind: str) -> None:
+    """Every request hinted to be continued, none continued: the hints are followed while the
+    prior (4 right ones) outweighs what was seen, 4 / (n + 4) >= 0.1 for the n-th: 36 of them;
+    then the hinted requests grow and the hints followed do not."""
+    manager = managers("chain")[kind == "tiering"]
+    for i in range(40):
+        manager.note_request([key(10 * i), key(10 * i + 1)], continues=True)
+    assert hint_growth(manager) == (40, 36)
+    for i in range(40, 100):
+        manager.note_request([key(10 * i), key(10 * i + 1)], continues=True)
+    assert hint_growth(manager) == (60, 0)
+    for i in range(100, 110):  # unhinted: counted in neither
+        manager.note_request([key(10 * i)])
+    assert hint_growth(manager) == (0, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "hybrid"])
+def test_a_policy_that_follows_no_hints_reports_hinted_requests_only(policy: str) -> None:
+    for manager in managers(policy):
+        assert primary_policy(manager).hints_followed is None
+        manager.note_request([key(0)], continues=True)
+        manager.note_request([key(1)], continues=False)
+        manager.note_request([key(2)])
+        assert hint_growth(manager) == (2,)  # no hints_followed
+    assert _OldPlugin(4).hints_followed is None  # a plugin that does not say: none
+
+
+def test_the_hints_followed_are_scraped_for_chain_only() -> None:
+    sampled = {}
+    for policy in ("chain", "lru"):
+        manager = managers(policy)[1]
+        assert isinstance(manager, TieringOffloadingManager)
+        tell_right_hints(manager, range(3))
+        sampled[policy] = {
+            sample.name: sample.value
+            for sample in read_samples(manager)
+            if sample.name.startswith("tiering_hint")
+        }
+    assert sampled == {
+        "chain": {"tiering_hinted_requests": 6, "tiering_hints_followed": 5},
+        "lru": {"tiering_hinted_requests": 6},
+    }
 
 
 class _OldPlugin(LRUPolicy):

@@ -5,23 +5,29 @@ primary policy with the request when it finishes; a malformed one is logged and 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from test_vllm_dropin import (  # noqa: F401 (fixtures)
     adapter,
+    counters,
     drivers,
     dropin_extra,
     registered,
     start,
     write_yaml,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import ReqContext
 from vllm_harness import BLOCK_SIZE, EngineDriver, ManagerDriver, keys_for, vllm_config
 
-from tiering.integrations.vllm import TieringManager
+from tiering.integrations.vllm import PRIMARY_LABEL, TieringManager
 from tiering.integrations.vllm_hints import HINT_ACTION, HINT_PARAM, request_hint
+from tiering.integrations.vllm_metric_names import TieringTierMetrics
 from tiering.policies import ChainPolicy
 
 
@@ -129,14 +135,46 @@ def test_a_hinted_request_is_classed_when_it_finishes(
     driver.finish_request(closing)
     assert policy.class_stats[1].continued == 1  # what it did is learned, whatever the hint
     assert policy.class_stats[0].requests == 2 and set(c) <= set(policy.list_keys(0))
+    # Both hints followed: "open"'s (from the prior that hints are right) and "closing"'s (of
+    # the requests hinted False none was continued yet, of all requests half were).
+    stats = counters(driver)
+    requests = (TieringTierMetrics.HINTED_REQUESTS, (PRIMARY_LABEL,))
+    followed = (TieringTierMetrics.HINTS_FOLLOWED, (PRIMARY_LABEL,))
+    assert (stats[requests], stats[followed]) == (2, 2)
+    plain = driver.new_request("plain again")
+    driver.store(plain, keys_for("d", 1))
+    driver.finish_request(plain)
+    stats = counters(driver)  # a counter reports what is new only
+    assert requests not in stats and followed not in stats
 
 
-def test_vllm_s_scheduler_carries_the_hint_to_the_policy(tmp_path: Path) -> None:
+def test_vllm_s_scheduler_carries_the_hint_to_the_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """End to end: ``kv_hints`` given with the request reach the policy through vLLM's own
-    ``Request``, scheduler and ``OffloadingConnector``."""
+    ``Request``, scheduler and ``OffloadingConnector``; the stats the scheduler takes from the
+    connector each step count them, and vLLM's Prometheus side takes those."""
     extra = dropin_extra(write_yaml(tmp_path, []), 32, eviction_policy="chain")
     extra["cpu_bytes_to_use"] = 32 * 4096
-    engine = EngineDriver(vllm_config(extra, num_gpu_blocks=32), 32)
+    config = vllm_config(extra, num_gpu_blocks=32)
+    engine = EngineDriver(config, 32)
+    registry = CollectorRegistry()
+    kinds = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    prometheus = OffloadPromMetrics(config, kinds, ["engine"], {0: ["0"]})
+    taken = engine.connector.get_kv_connector_stats
+
+    def observed() -> KVConnectorStats | None:
+        stats = taken()  # what the scheduler passes on (to the stat loggers, with log_stats)
+        if stats is not None:
+            prometheus.observe(stats.data)
+        return stats
+
+    monkeypatch.setattr(engine.connector, "get_kv_connector_stats", observed)
+    labels = {"engine": "0", "tier": PRIMARY_LABEL}
+
+    def sampled(name: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
     try:
         manager = engine.manager
         assert isinstance(manager, TieringManager)
@@ -145,6 +183,7 @@ def test_vllm_s_scheduler_carries_the_hint_to_the_policy(tmp_path: Path) -> None
         engine.add_request("plain", list(range(1, 1 + 2 * BLOCK_SIZE + 1)))
         engine.run()
         assert policy.class_stats[0].requests == 1 and policy.class_stats[1].requests == 0
+        assert sampled("tiering:tier_hinted_requests_total") is None  # none yet
         engine.add_request(
             "open",
             list(range(500, 500 + 2 * BLOCK_SIZE + 1)),
@@ -159,5 +198,8 @@ def test_vllm_s_scheduler_carries_the_hint_to_the_policy(tmp_path: Path) -> None
         )
         engine.run()
         assert policy.class_stats[0].requests == 2 and policy.class_stats[1].requests == 1
+        assert sampled("tiering:tier_hinted_requests_total") == 2
+        # "one-off"'s hint (False) is not followed: no request had been continued yet.
+        assert sampled("tiering:tier_hints_followed_total") == policy.hints_followed == 1
     finally:
         engine.shutdown()

@@ -35,6 +35,8 @@ class TieringTierMetrics:
     CORRUPT_BLOCKS = "tiering:tier_corrupt_blocks"
     EVICTED_BLOCKS = "tiering:tier_evicted_blocks"
     EVICTION_RULE_SWITCHES = "tiering:tier_eviction_rule_switches"
+    HINTED_REQUESTS = "tiering:tier_hinted_requests"
+    HINTS_FOLLOWED = "tiering:tier_hints_followed"
     USAGE_BYTES = "tiering:tier_usage_bytes"
     CAPACITY_BYTES = "tiering:tier_capacity_bytes"
     EVICTION_RULE = "tiering:tier_eviction_rule"
@@ -53,6 +55,11 @@ _COUNTERS = {
     TieringTierMetrics.EVICTED_BLOCKS: "Blocks a tiering tier evicted to make room.",
     TieringTierMetrics.EVICTION_RULE_SWITCHES: "Times the tier's eviction policy changed the "
     "victim rule it follows (hybrid; 0 for a policy of one rule).",
+    TieringTierMetrics.HINTED_REQUESTS: "Requests told with a continuation hint "
+    "(tiering_continues true or false; the CPU tier of the drop-in only).",
+    TieringTierMetrics.HINTS_FOLLOWED: "Hinted requests whose hint the tier's eviction policy "
+    "followed (chain, while hints of that value tell continued requests apart; none from a "
+    "policy that does not follow hints; the CPU tier of the drop-in only).",
 }
 _GAUGES = {
     TieringTierMetrics.USAGE_BYTES: "Bytes of storage a tiering tier uses (block headers "

@@ -54,6 +54,8 @@ _TIER_COUNTERS: Final = {
 _CPU_COUNTERS: Final = {
     "stored_blocks": TieringTierMetrics.STORED_BLOCKS,
     "evicted_blocks": TieringTierMetrics.EVICTED_BLOCKS,
+    "hinted_requests": TieringTierMetrics.HINTED_REQUESTS,
+    "hints_followed": TieringTierMetrics.HINTS_FOLLOWED,
 }
 
 

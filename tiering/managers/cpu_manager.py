@@ -122,7 +122,7 @@ class CPUOffloadingManager(OffloadingManager):
             if store_threshold > 1
             else None
         )
-        self._counts = CPUCounters()  # get_stats() reports their growth since its last call
+        self._counts = CPUCounters(self._policy)  # get_stats() reports their growth
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -273,6 +273,7 @@ class CPUOffloadingManager(OffloadingManager):
         if misplaced:
             reject_positional("note_request", misplaced, "req_context")
         tell_request(self._policy, check_keys(keys), ended=ended, continues=continues)
+        self._counts.note_hint(continues)  # told: a bad hint raised, counting nothing
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -441,9 +442,8 @@ class CPUOffloadingManager(OffloadingManager):
         return self._counts.as_dict()
 
     def get_stats(self) -> ManagerStats:
-        """``{"CPU": counters}``, each the growth since the previous call: ``stored_blocks``,
-        ``failed_stores`` (blocks whose store failed), ``evicted_blocks``, ``loaded_blocks``
-        (pinned by prepare_load) and ``stores_skipped`` (offers below ``store_threshold``)."""
+        """``{"CPU": counters}``, each the growth since the previous call of one of
+        :meth:`counters` (:class:`~tiering.managers.cpu_counters.CPUCounters` names them)."""
         return {self.medium: self._counts.growth()}
 
     def config_info(self) -> list[ConfigInfo]:

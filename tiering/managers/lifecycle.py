@@ -180,8 +180,9 @@ class TieringLifecycle(OffloadingManager):
 
     def get_stats(self) -> ManagerStats:
         """Counters per tier since the previous call (deltas): ``"CPU"`` as
-        :meth:`CPUOffloadingManager.get_stats` plus ``promotions_without_space``; each tier by
-        name with its :class:`~tiering.managers.secondary_tier.TierMetrics` counters
+        :meth:`CPUOffloadingManager.get_stats` plus ``promotions_without_space`` (its
+        ``hinted_requests``: the requests this manager told with a hint); each tier by name
+        with its :class:`~tiering.managers.secondary_tier.TierMetrics` counters
         (``lookup_hits``, ``promoted_blocks``, ``bytes_read``, ``stored_blocks``,
         ``bytes_written``, ``store_failures``, ``promotion_failures``, ``corrupt_blocks``,
         ``stores_shed``, ``open_failures``, ...). :meth:`metrics` has the totals."""
@@ -197,11 +198,13 @@ class TieringLifecycle(OffloadingManager):
         looked up in it by any lookup call (``lookups``, the sum of ``lookup_hits``: ready
         there, ``lookup_pending``: being written there, ``lookup_misses``: not there) and the
         primary's own counters (:meth:`CPUOffloadingManager.counters`: ``stored_blocks``,
-        ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``). Each
-        tier by name: its state, usage, :class:`~tiering.managers.secondary_tier.TierMetrics`
-        counters and its backend's stats. The primary and each open tier (not a shared one: its
-        store evicts) also name the victim rule their eviction policy follows now
-        (``eviction_rule``, one of ``eviction_rules``) and how often it changed
+        ``failed_stores``, ``evicted_blocks``, ``loaded_blocks``, ``stores_skipped``,
+        ``hinted_requests``, the requests told with a hint, and ``hints_followed`` where the
+        policy follows hints, those it followed the hint of). Each tier by name: its state,
+        usage, :class:`~tiering.managers.secondary_tier.TierMetrics` counters and its
+        backend's stats. The primary and each open tier (not a shared one: its store evicts)
+        also name the victim rule their eviction policy follows now (``eviction_rule``, one
+        of ``eviction_rules``) and how often it changed
         (``eviction_rule_switches``; only ``hybrid`` switches)."""
         return self._stats.metrics()
 

@@ -407,6 +407,7 @@ class TieringOffloadingManager(TieringLifecycle):
         self._check_open()
         # the primary's policy: its keys checked once, here
         tell_request(self.primary.policy, key_list, ended=ended, continues=continues)
+        self._stats.note_hint(continues)  # told: a bad hint raised, counting nothing
 
     # -- stores ----------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ tier reports by name: its :class:`~tiering.managers.secondary_tier.TierMetrics` 
 in the totals, its state, usage and its backend's stats. The totals name, for the primary and
 each open tier but a shared one (its store evicts), the victim rule its eviction policy follows
 (``eviction_rule``, of ``eviction_rules``) and how often that changed
-(``eviction_rule_switches``: ``hybrid``'s duel).
+(``eviction_rule_switches``: ``hybrid``'s duel). The requests told with a hint
+(``hinted_requests``) are the primary's: this manager tells its policy, and counts them here.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ class TieringStats:
         self.tiers = tiers
         self.promotions = promotions
         self.lookups = lookups
+        self.hinted_requests = 0  # requests this manager told the primary's policy, hinted
         self._seen: ManagerStats = {}  # the counters at the previous deltas()
+
+    def note_hint(self, continues: bool | None) -> None:
+        """A request was told (its hint checked): counted in ``hinted_requests`` if hinted."""
+        if continues is not None:
+            self.hinted_requests += 1
 
     def counters(self) -> ManagerStats:
         """Every integer counter (totals), per medium: the primary's, then each tier's."""
-        primary = self.primary.counters()
-        primary["promotions_without_space"] = self.promotions.without_space
-        out = {self.primary.medium: primary}
+        out = {self.primary.medium: self._primary_counters()}
         for tier in self.tiers:
             out[tier.name] = tier.metrics.counters()
         return out
@@ -74,7 +79,7 @@ class TieringStats:
                 "lookup_hits": hits,
                 "lookup_pending": pending,
                 "lookup_misses": misses,
-                **self.primary.counters(),
+                **self._primary_counters(),
                 **_eviction_rule_fields(self.primary.policy),
             }
         }
@@ -96,6 +101,13 @@ class TieringStats:
             if policy is not None:
                 out[tier.name].update(_eviction_rule_fields(policy))
         return out
+
+    def _primary_counters(self) -> dict[str, int]:
+        """The primary's own counters and those this manager counts for it."""
+        counters = self.primary.counters()
+        counters["promotions_without_space"] = self.promotions.without_space
+        counters["hinted_requests"] += self.hinted_requests
+        return counters
 
 
 def _eviction_rule_fields(policy: EvictionPolicy) -> dict[str, Any]:

@@ -158,6 +158,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Times the tier's eviction policy changed the rule it follows (hybrid; 0 for a "
         "policy of one rule).",
     ),
+    # -- the callers' hints (the primary's policy) ------------------------------------------------
+    MetricSpec(
+        "tiering_hinted_requests",
+        "counter",
+        "Requests told with a continuation hint, continues true or false (primary only).",
+    ),
+    MetricSpec(
+        "tiering_hints_followed",
+        "counter",
+        "Hinted requests whose hint the primary's eviction policy followed (primary only; "
+        "chain, while hints of that value tell continued requests apart; none from a policy "
+        "that does not follow hints).",
+    ),
     # -- a shared tier (no index: it asks the store) ---------------------------------------------
     MetricSpec(
         "tiering_existence_checks",
@@ -262,8 +275,11 @@ def read_samples(manager: ManagerLike) -> Iterator[Sample]:
         ("tiering_loaded_blocks", "loaded_blocks"),
         ("tiering_evicted_blocks", "evicted_blocks"),
         ("tiering_stores_below_threshold", "stores_skipped"),
+        ("tiering_hinted_requests", "hinted_requests"),
     ):
         yield Sample(name, labels, primary[key])
+    if "hints_followed" in primary:  # a policy that follows hints
+        yield Sample("tiering_hints_followed", labels, primary["hints_followed"])
     # Each block the engine stores or loads is one pool row, copied whole.
     yield Sample("tiering_written_bytes", labels, primary["stored_blocks"] * row_bytes)
     yield Sample("tiering_read_bytes", labels, primary["loaded_blocks"] * row_bytes)
