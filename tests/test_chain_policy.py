@@ -151,7 +151,7 @@ class Reference:
         ratio = self.ticks_per_store
         if self.stored >= self.capacity:
             ratio = (self.clock - self.window_start) / self.stored
-        horizon = max(1, round(self.capacity * ratio * 0.5))  # half a capacity
+        horizon = max(1, round(self.capacity * ratio))
         requests, continued = sum(self.requests[:3]), sum(self.continued[:3])
         pooled_share = continued / requests if requests else 0.5
         pooled = [sum(self.delays[c][b] for c in range(3)) for b in range(64)]

@@ -61,16 +61,16 @@ prompt, a document others read):
   stamp), and a request holding a ghost ends that wait too: else a list evicted early would
   learn that its blocks are never used again. Its estimate starts from ``q`` =
   ``_SHARED_PRIOR_SHARE`` and the classes' pooled delays.
-- **Victims.** Each list gives up its oldest block first; between the four oldest, the victim is the
-  one least likely to be continued within the next ``H`` ticks given its age ``a``: ``q (F(a + H) -
-  F(a)) / (1 - q F(a))``, where ``H`` is the ticks in which half a capacity of blocks is stored
-  (``_HORIZON_CAPACITIES``; measured over the halving window: touches tick the clock too, and vLLM's
-  drop-in ranks a request's blocks again at its end), taken at the ages ``2**(j/2) - 1`` and linear
-  between them, each made the least of it and those at younger ages (a block never ranks above a
-  younger one of its class: classes that learned alike rank by age alone). A tie goes to the older
-  block, then the lower list. The ranks are computed from the counts when first needed and again
-  once ``_TABLE_REQUESTS`` more requests were noted. Pinned and protected blocks are passed over, as
-  in every built-in.
+- **Victims.** Each list gives up its oldest block first; between the four oldest, the
+  victim is the one least likely to be continued within the next ``H`` ticks given its age
+  ``a``: ``q (F(a + H) - F(a)) / (1 - q F(a))``, where ``H`` is the ticks in which a capacity
+  of blocks is stored (measured over the halving window: touches tick the clock too, and
+  vLLM's drop-in ranks a request's blocks again at its end), taken at the ages ``2**(j/2) - 1``
+  and linear between them, each made the least of it and those at younger ages (a block never
+  ranks above a younger one of its class: classes that learned alike rank by age alone). A tie
+  goes to the older block, then the lower list. The ranks are computed from the counts when
+  first needed and again once ``_TABLE_REQUESTS`` more requests were noted. Pinned and
+  protected blocks are passed over, as in every built-in.
 
 Where it comes from and what it gives: the chain-class rule of the project's third session,
 with delay histograms instead of exponential delays (think times are log-normal: a block that
@@ -78,9 +78,7 @@ has waited a minute is likelier to be continued soon than a fresh one) and tails
 question after a document does not hide; the shared list (the twelfth session) keeps what many
 requests start from, as ARC's second list does. In the study on the generated traces (seeds
 0-15, 1-20 % of the unique blocks, 512 and 16 tokens a block) it is within 0.2 points of the
-better of LRU and ARC at all points but one agent trace at 2 % (0.25 under LRU; with the
-horizon at half a capacity, the seventeenth session, within at all 40 points of seeds 0-1
-and at 313 of 320 of ``benchmarks/bench_policy_variants.py``, as before), and at 5 %
+better of LRU and ARC at all points but one agent trace at 2 % (0.25 under LRU), and at 5 %
 closes 19-28 % of the LRU -> Belady gap on conversations, 15-23 % on documents, 8-17 % on the
 production mix (docs/benchmarks.md); on the public Mooncake traces (nothing set on them),
 within 0.2 points at all 10 points. Most of the rest is whether a request will be continued,
@@ -137,10 +135,6 @@ from tiering.policies.base import check_hint
 __all__ = ["ChainClassStats", "ChainPolicy"]
 
 _NO_KEYS: frozenset[bytes] = frozenset()
-#: The victims' horizon ``H``, in capacities of stored blocks: half, the time a block kept now
-#: has left on average before the search meets it again (at a whole capacity, agent loops paused
-#: for seconds lost to shared prompts that came back minutes later: 0.25 points under LRU).
-_HORIZON_CAPACITIES = 0.5
 
 
 class ChainClassStats(NamedTuple):
@@ -522,16 +516,15 @@ class ChainPolicy(ListsPolicy):
         return max(first._clock, second._clock, third._clock, shared._clock)
 
     def _horizon_ticks(self) -> int:
-        """The ticks in which ``_HORIZON_CAPACITIES`` of blocks are stored: a block's time to
-        come back before it would be evicted. Touches tick the clock too, as many as the
-        traffic's hits (and vLLM's drop-in ranks a request's blocks again at its end), so the
-        ticks per stored block are measured: over the current window once it holds a
-        capacity, else the last."""
+        """The ticks in which a capacity of blocks is stored: a block's time to come back before
+        it would be evicted. Touches tick the clock too, as many as the traffic's hits (and
+        vLLM's drop-in ranks a request's blocks again at its end), so the ticks per stored
+        block are measured: over the current window once it holds a capacity, else the last."""
         capacity = max(self.capacity, 1)
         ratio = self._ticks_per_store
         if self._stored_since_halving >= capacity:
             ratio = (self._now() - self._window_start) / self._stored_since_halving
-        return max(1, round(capacity * ratio * _HORIZON_CAPACITIES))
+        return max(1, round(capacity * ratio))
 
     def _class_tables(self) -> list[list[float]]:
         """Per class, then for the shared list, its ranks at the knot ages
