@@ -5,13 +5,7 @@ many hinted requests it followed (the policy's ``hints_followed``, a counter).""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 __all__ = ["HintRecord"]
-
-
-class _KeepsHints(Protocol):
-    _hints: HintRecord
 
 
 class HintRecord:
@@ -50,12 +44,6 @@ class HintRecord:
             self.followed += 1
             return True
         return False
-
-    @staticmethod
-    def followed_by(policy: _KeepsHints) -> int:
-        """The hinted requests whose hint the policy followed: the :attr:`followed` count of the
-        record it keeps as ``_hints`` (its ``hints_followed``, a property of this getter)."""
-        return policy._hints.followed
 
     def halve(self) -> None:
         for hint in (True, False):

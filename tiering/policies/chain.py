@@ -217,7 +217,7 @@ class ChainPolicy(ListsPolicy):
         """Per hint value, the requests so hinted and how many were continued (both halved)."""
         return self._hints.stats()
 
-    hints_followed = property(HintRecord.followed_by)  # a counter: never halved, kept by clear()
+    hints_followed = property(lambda self: self._hints.followed)  # never halved, kept by clear()
 
     @property
     def tail_keys(self) -> tuple[bytes, ...]:
