@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiering.config import parse_config
@@ -28,6 +28,7 @@ from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import ChainPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
 from tiering.policies._chain_search import rank_at, sure_stamp
+from tiering.policies._two_lists import stamped_keys
 from tiering.policies.chain import ChainClassStats
 from tiering.replay import ReplayOptions, run_replay
 from tiering.replay.study import prefix_hits, simulate_cpu, study_trace_from_blocks
@@ -215,6 +216,10 @@ class Reference:
 
 def _lists(policy: ChainPolicy) -> tuple[tuple[bytes, ...], ...]:
     return tuple(policy.list_keys(c) for c in range(3))
+
+
+def _stamps(policy: ChainPolicy) -> list[dict[bytes, int]]:
+    return [dict(stamped_keys(order)) for order in policy._lists]
 
 
 def _stats(requests: int, continued: int, **delays: int) -> ChainClassStats:
@@ -523,6 +528,8 @@ class _ReachingHalfway(ChainPolicy):
 @pytest.mark.parametrize("policy_class", [ChainPolicy, _SearchedTheGeneralWay, _ReachingHalfway])
 @settings(max_examples=150, deadline=None)
 @given(steps=_conversations, capacity=st.integers(4, 40))
+# A request of class 1 that uses class-2 and shared blocks: the shared stamps follow class 2's.
+@example(steps=[(0, 2, 0), (0, 6, 0), (2, 1, 0), (0, 1, 0), (0, 1, 2)], capacity=11)
 def test_victims_and_lists_match_the_reference(
     policy_class: type[ChainPolicy], steps: list[tuple[int, int, int]], capacity: int
 ) -> None:
@@ -546,6 +553,7 @@ def test_victims_and_lists_match_the_reference(
             policy.insert_new(missing)
             ref.insert_new(missing)
         assert (*_lists(policy), policy.list_keys(3)) == tuple(tuple(lst) for lst in ref.lists)
+        assert _stamps(policy) == [dict(lst) for lst in ref.lists]  # ages rank the victims
         assert policy.tail_keys == tuple(ref.tails)
         assert policy.class_stats == tuple(
             ChainClassStats(ref.requests[c], ref.continued[c], tuple(ref.delays[c]))

@@ -377,6 +377,7 @@ class ChainPolicy(ListsPolicy):
             top = lists[_CLASSES - 1]
             top.sync_clock(gathering)
             top.touch_all(keys)
+            gathering = top  # its clock leads now: the shared list's stamps follow it
         if shared.size:
             shared.sync_clock(gathering)
             shared.touch_all(keys)
