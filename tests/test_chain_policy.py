@@ -27,6 +27,7 @@ from tiering.managers.cpu_manager import CPUOffloadingManager
 from tiering.managers.tiering_manager import TieringOffloadingManager
 from tiering.policies import ChainPolicy, LRUPolicy, register_policy
 from tiering.policies import registry as policy_registry
+from tiering.policies._chain_ranks import delay_bin, rank_knots
 from tiering.policies._chain_search import rank_at, sure_stamp
 from tiering.policies._two_lists import stamped_keys
 from tiering.policies.chain import ChainClassStats
@@ -176,11 +177,28 @@ class Reference:
                 b = int(x)
                 return 1.0 if b >= 64 else knots[b] + (knots[b + 1] - knots[b]) * (x - b)
 
+            def mean(age: float, knots: list[float] = knots) -> float:
+                """F's mean over [age, age + horizon], exactly: in a bin F is linear in
+                x = 2 log2(t + 1), whose integral is (t + 1)(x - 2/ln 2)."""
+                end = age + horizon
+                area = max(0.0, end - max(age, 2**32 - 1))  # F = 1 past the last bin
+
+                def integral_of_x(t: float) -> float:
+                    return (t + 1) * (2 * math.log2(t + 1) - 2 / math.log(2))
+
+                for b in range(64):
+                    low, high = max(age, 2 ** (b / 2) - 1), min(end, 2 ** ((b + 1) / 2) - 1)
+                    if low < high:
+                        slope = knots[b + 1] - knots[b]
+                        area += (knots[b] - slope * b) * (high - low)
+                        area += slope * (integral_of_x(high) - integral_of_x(low))
+                return area / horizon
+
             ranks: list[float] = []
             for j in range(64):
                 age = 2 ** (j / 2) - 1
                 chance = share * (cdf(age + horizon) - knots[j])
-                chance /= max(1e-12, 1 - share * knots[j])
+                chance /= max(1e-12, 1 - share * mean(age))
                 ranks.append(min([chance, *ranks[-1:]]))
             self.ranks.append(ranks)
         return self.ranks
@@ -380,8 +398,8 @@ def test_stores_of_no_noted_request_are_fresh_in_the_order_given() -> None:
 
 def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
     # A conversation continued every few requests among one-off prompts never continued:
-    # emptied down to a few blocks, it keeps the conversation's first block and takes a
-    # one-off newer than it; LRU takes the whole conversation.
+    # emptied down to a few blocks, it keeps the conversation's first blocks and takes
+    # one-offs newer than them; LRU takes the whole conversation.
     policy, ref, lru = ChainPolicy(50), Reference(50), LRUPolicy(50)
     one_off = 0
 
@@ -416,8 +434,8 @@ def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
         104,
         103,
         102,
-        9,  # a one-off newer than the conversation's first blocks goes before them
-        101,
+        9,  # one-offs newer than the conversation's first blocks go before them
+        10,
     ]
     assert [int.from_bytes(v, "big") for v in lru.evict(15) or []] == [
         *range(9),
@@ -428,6 +446,22 @@ def test_the_victim_is_the_head_least_likely_to_be_continued_soon() -> None:
         101,
         100,
     ]
+
+
+def test_of_two_blocks_as_likely_back_the_one_back_sooner_ranks_higher() -> None:
+    """Hit density: half of each class's requests are continued, all within the horizon
+    (2,000 ticks), one class's after about 10 ticks, the other's after about 900; by the
+    chance alone both rank 0.5 when fresh, but the one back sooner frees its place sooner.
+    Expected: 0.5 / (1 - 0.5 M), M the mean of F over the horizon (by 200,000 trapezoids)."""
+    tables = []
+    for delay_ticks in (10, 900):
+        bins = [0.0] * 64
+        bins[delay_bin(delay_ticks)] = 1.0
+        tables.append(rank_knots(0.5, list(itertools.accumulate(bins, initial=0.0)), 2000))
+    soon, late = tables
+    assert soon[0] == pytest.approx(0.5 / (1 - 0.5 * 0.99571933), rel=1e-6)
+    assert late[0] == pytest.approx(0.5 / (1 - 0.5 * 0.56780307), rel=1e-6)
+    assert all(s > lt for s, lt in zip(soon[: delay_bin(10)], late, strict=False))
 
 
 def test_protected_and_pinned_heads_are_passed_over() -> None:

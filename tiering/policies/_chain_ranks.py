@@ -1,6 +1,6 @@
 """The ranks of :class:`~tiering.policies.chain.ChainPolicy`'s classes, from what it counted:
-delays in half-octave bins, and per class the chance of being continued within a horizon at
-each knot age, made non-increasing."""
+delays in half-octave bins, and per class at each knot age the chance of being continued within
+a horizon per tick a block is expected to be held (hit density), made non-increasing."""
 
 from __future__ import annotations
 
@@ -19,34 +19,64 @@ def delay_bin(delay_ticks: int) -> int:
 
 
 def rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[float]:
-    """P(continued within ``horizon_ticks`` | not by age ``a``) at ``a = 2**(j/2) - 1``, each
-    the least of it and those before: a block never ranks above a younger one of its class
-    (so classes that learned alike rank by age alone, as LRU)."""
+    """At ``a = 2**(j/2) - 1``, the chance of being continued within ``horizon_ticks``, given
+    not by age ``a``, per tick the block is expected to be held: ``q (F(a + H) - F(a)) /
+    (1 - q M(a))``, ``M(a)`` the mean of ``F`` over ``[a, a + H]`` (hit density: a block
+    likely back soon is worth more than one as likely back only near the horizon); each the
+    least of it and those before: a block never ranks above a younger one of its class (so
+    classes that learned alike rank by age alone, as LRU)."""
+    # F is linear in x = 2 log2(t + 1) within a bin: its integral from the bin's start
+    # (at t_b = 2**(b/2) - 1) is exact through X(t) = (t + 1)(x(t) - 2/ln 2), whose
+    # derivative is x. ``area[b]``: F's integral from 0 to t_b.
+    area = [0.0]
+    for b in range(BINS):
+        low, slope = knots[b], knots[b + 1] - knots[b]
+        area.append(area[-1] + (low - slope * b) * _BIN_WIDTHS[b] + slope * _BIN_X_AREAS[b])
     ranks: list[float] = []
-    lowest = 1.0
-    points = _ahead_points(horizon_ticks)
-    # share <= 1 - 1e-3 and reached <= 1: the divisor is at least 1e-3.
-    for reached, (b, fraction) in zip(knots[:-1], points, strict=True):  # F at the knot
-        ahead = 1.0 if b >= BINS else knots[b] + (knots[b + 1] - knots[b]) * fraction
-        chance = share * (ahead - reached) / (1.0 - share * reached)
+    lowest = math.inf
+    # share <= 1 - 1e-3 and M <= 1: the divisor is at least 1e-3.
+    for j, (b, fraction, into, x_into) in enumerate(_ahead_points(horizon_ticks)):
+        if b >= BINS:  # past the last bin, F = 1
+            ahead, until = 1.0, area[BINS] + into
+        else:
+            low, slope = knots[b], knots[b + 1] - knots[b]
+            ahead = low + slope * fraction
+            until = area[b] + (low - slope * b) * into + slope * x_into
+        mean = (until - area[j]) / horizon_ticks
+        chance = share * (ahead - knots[j]) / (1.0 - share * mean)
         if chance < lowest:
             lowest = chance
         ranks.append(lowest)
     return ranks
 
 
-_KNOT_AGES = [2 ** (j / 2) - 1 for j in range(BINS)]
+_X_SHIFT = 2 / math.log(2)
+_KNOT_AGES = [2 ** (j / 2) - 1 for j in range(BINS + 1)]  # the bins' starts (and the end)
+
+
+def _x_area(age: float) -> float:
+    """``X(t) = (t + 1)(x(t) - 2/ln 2)``: the integral of ``x(t) = 2 log2(t + 1)``."""
+    return (age + 1) * (2 * math.log2(age + 1) - _X_SHIFT)
+
+
+_BIN_WIDTHS = [_KNOT_AGES[b + 1] - _KNOT_AGES[b] for b in range(BINS)]
+_BIN_X_AREAS = [_x_area(_KNOT_AGES[b + 1]) - _x_area(_KNOT_AGES[b]) for b in range(BINS)]
 
 
 @functools.lru_cache(maxsize=16)
-def _ahead_points(horizon_ticks: int) -> tuple[tuple[int, float], ...]:
-    """Per knot, where F is read at the knot's age plus ``horizon_ticks``: the bin and the
-    fraction of it, as :func:`~tiering.policies._chain_search.rank_at` reads (the horizon
-    changes only when it is measured again, the tables every ``_TABLE_REQUESTS``)."""
+def _ahead_points(horizon_ticks: int) -> tuple[tuple[int, float, float, float], ...]:
+    """Per knot, the point ``horizon_ticks`` after its age: its bin, the fraction of it (as
+    :func:`~tiering.policies._chain_search.rank_at` reads), and its distance from the bin's
+    start in ticks and in ``X`` (the horizon changes only when it is measured again, the
+    tables every ``_TABLE_REQUESTS``)."""
     points = []
-    for age in _KNOT_AGES:
-        x = 2 * math.log2(age + horizon_ticks + 1)
-        points.append((int(x), x - int(x)))
+    for age in _KNOT_AGES[:BINS]:
+        ahead = age + horizon_ticks
+        x = 2 * math.log2(ahead + 1)
+        b = int(x)
+        start = _KNOT_AGES[min(b, BINS)]
+        into = ahead - start
+        points.append((b, x - b, into, _x_area(ahead) - _x_area(start)))
     return tuple(points)
 
 
