@@ -28,10 +28,17 @@ def rank_knots(share: float, knots: list[float], horizon_ticks: int) -> list[flo
     # F is linear in x = 2 log2(t + 1) within a bin: its integral from the bin's start
     # (at t_b = 2**(b/2) - 1) is exact through X(t) = (t + 1)(x(t) - 2/ln 2), whose
     # derivative is x. ``area[b]``: F's integral from 0 to t_b.
-    area = [0.0]
-    for b in range(BINS):
-        low, slope = knots[b], knots[b + 1] - knots[b]
-        area.append(area[-1] + (low - slope * b) * _BIN_WIDTHS[b] + slope * _BIN_X_AREAS[b])
+    area = list(
+        itertools.accumulate(
+            (
+                (low - (high - low) * b) * width + (high - low) * x_area
+                for b, low, high, width, x_area in zip(
+                    range(BINS), knots, knots[1:], _BIN_WIDTHS, _BIN_X_AREAS, strict=False
+                )
+            ),
+            initial=0.0,
+        )
+    )
     ranks: list[float] = []
     lowest = math.inf
     # share <= 1 - 1e-3 and M <= 1: the divisor is at least 1e-3.
