@@ -63,8 +63,8 @@ prompt, a document others read):
   ``_SHARED_PRIOR_SHARE`` and the classes' pooled delays.
 - **Victims.** Each list gives up its oldest block first; between the four oldest, the
   victim is the one whose chance of being continued within the next ``H`` ticks, given its
-  age ``a``, is least per tick it is expected to be held (*hit density*):
-  ``q (F(a + H) - F(a)) / (1 - q M(a))``, where ``M(a)`` is the mean of ``F`` over
+  age ``a``, is least per tick it is expected to be held (*hit density*, times ``H``, which
+  every list shares): ``q (F(a + H) - F(a)) / (1 - q M(a))``, where ``M(a)`` is the mean of ``F`` over
   ``[a, a + H]`` (exact: in a bin ``F`` is linear in ``2 log2(t + 1)``) and ``H`` the ticks in
   which a capacity of blocks is stored (measured over the halving window: touches tick the
   clock too, and vLLM's drop-in ranks a request's blocks again at its end). A block likely
@@ -82,11 +82,12 @@ Where it comes from and what it gives: the chain-class rule of the project's thi
 with delay histograms instead of exponential delays (think times are log-normal: a block that
 has waited a minute is likelier to be continued soon than a fresh one) and tails that a
 question after a document does not hide; the shared list (the twelfth session) keeps what many
-requests start from, as ARC's second list does. In the study on the generated traces (seeds
-0-15, 1-20 % of the unique blocks, 512 and 16 tokens a block) it is within 0.2 points of the
-better of LRU and ARC at all points but one agent trace at 2 % (0.25 under LRU), and at 5 %
-closes 19-28 % of the LRU -> Belady gap on conversations, 15-23 % on documents, 8-17 % on the
-production mix (docs/benchmarks.md); on the public Mooncake traces (nothing set on them),
+requests start from, as ARC's second list does; hit density (the eighteenth session) is
+LHD's measure (Beckmann et al., NSDI '18) on these classes. In the study on the generated
+traces (seeds 0-15, 1-20 % of the unique blocks, 512-token blocks) it is within 0.2 points of
+the better of LRU and ARC at all 320 points, and at 5 % closes 19-28 % of the LRU -> Belady
+gap on conversations, 15-23 % on documents, 8-18 % on the production mix (docs/benchmarks.md);
+on the public Mooncake traces (nothing set on them, before hit density),
 within 0.2 points at all 10 points. Most of the rest is whether a request will be continued,
 which those traces do not show: with the hint, right for every request, the same classes close
 57-98 % at 5 %, and 33-63 % with one hint in ten wrong (``benchmarks/bench_headroom.py``).
