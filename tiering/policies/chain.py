@@ -64,14 +64,14 @@ prompt, a document others read):
 - **Victims.** Each list gives up its oldest block first; between the four oldest, the
   victim is the one whose chance of being continued within the next ``H`` ticks, given its
   age ``a``, is least per tick it is expected to be held (*hit density*, times ``H``, which
-  every list shares): ``q (F(a + H) - F(a)) / (1 - q M(a))``, where ``M(a)`` is the mean of ``F`` over
-  ``[a, a + H]`` (exact: in a bin ``F`` is linear in ``2 log2(t + 1)``) and ``H`` the ticks in
-  which a capacity of blocks is stored (measured over the halving window: touches tick the
-  clock too, and vLLM's drop-in ranks a request's blocks again at its end). A block likely
-  back soon frees its place sooner than one as likely back only near the horizon: an agent
-  loop paused for seconds outranks a shared prompt back in minutes (ranked by the chance
-  alone, ``chain`` was 0.25 points under LRU at 2 % of ``toolagent``).
-  The ranks are taken at the ages ``2**(j/2) - 1`` and linear between them, each made the
+  every list shares): ``q (F(a + H) - F(a)) / (1 - q M(a))``, where ``M(a)`` is the mean of
+  ``F`` over ``[a, a + H]`` (exact: in a bin ``F`` is linear in ``2 log2(t + 1)``) and ``H``
+  the ticks in which a capacity of blocks is stored (measured over the halving window:
+  touches tick the clock too, and vLLM's drop-in ranks a request's blocks again at its end).
+  A block likely back soon frees its place sooner than one as likely back only near the
+  horizon: an agent loop paused for seconds outranks a shared prompt back in minutes (ranked
+  by the chance alone, ``chain`` was 0.25 points under LRU at 2 % of ``toolagent``). The
+  ranks are taken at the ages ``2**(j/2) - 1`` and linear between them, each made the
   least of it and those at younger ages (a block never ranks above a younger one of its
   class: classes that learned alike rank by age alone). A tie goes to the older block, then
   the lower list. The ranks are computed from the counts when first needed and again once
