@@ -380,13 +380,13 @@ class ChainPolicy(ListsPolicy):
         if target < _CLASSES - 1 or shared._clock > gathering._clock:
             self._sync_clocks()  # (else gather_all syncs the clocks of the lists it is given)
         gathering.gather_all(keys, lists[:target])
+        latest = gathering  # the list whose clock leads: the shared list's stamps follow it
         if target < _CLASSES - 1:
-            top = lists[_CLASSES - 1]
-            top.sync_clock(gathering)
-            top.touch_all(keys)
-            gathering = top  # its clock leads now: the shared list's stamps follow it
+            latest = lists[_CLASSES - 1]
+            latest.sync_clock(gathering)
+            latest.touch_all(keys)
         if shared.size:
-            shared.sync_clock(gathering)
+            shared.sync_clock(latest)
             shared.touch_all(keys)
 
     def insert(self, key: bytes, evictable: bool = True) -> None:
