@@ -87,8 +87,8 @@ LHD's measure (Beckmann et al., NSDI '18) on these classes. In the study on the 
 traces (seeds 0-15, 1-20 % of the unique blocks, 512-token blocks) it is within 0.2 points of
 the better of LRU and ARC at all 320 points, and at 5 % closes 19-28 % of the LRU -> Belady
 gap on conversations, 15-23 % on documents, 8-18 % on the production mix (docs/benchmarks.md);
-on the public Mooncake traces (nothing set on them, before hit density),
-within 0.2 points at all 10 points. Most of the rest is whether a request will be continued,
+on the public Mooncake traces (nothing set on them), within 0.2 points at all 10 points and
+7 % and 4 % of the gap at 5 %. Most of the rest is whether a request will be continued,
 which those traces do not show: with the hint, right for every request, the same classes close
 57-98 % at 5 %, and 33-63 % with one hint in ten wrong (``benchmarks/bench_headroom.py``).
 Told no requests (a manager that does not know them) every new block goes to class 0, nothing
