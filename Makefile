@@ -37,8 +37,9 @@ typecheck: install
 # REQUIRE_VLLM_TESTS / REQUIRE_ENGINE_TESTS: the adapter tests fail (not skip) if vLLM / SGLang or
 # LMCache is missing from the venv.
 # PYTEST_WORKERS: pytest-xdist processes, each a whole test file at a time (a file's fixtures and
-# servers stay in one process); at most 4, as each imports torch and vLLM (about 1 GB).
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+# servers stay in one process): the CPUs this process may use, at most 4, as each imports torch
+# and vLLM.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1); print(min(4, len(cpus)))')
 pytest: install
 	REQUIRE_VLLM_TESTS=1 REQUIRE_ENGINE_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
