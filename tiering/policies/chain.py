@@ -104,9 +104,10 @@ list's rank crosses another's (past a class's delays, where ranks are equal, the
 goes without one); the ranks computed again (four lists x 64 ages) once every
 ``_TABLE_REQUESTS`` requests. Per stored block, LRU's metadata times 1.1-1.2 storing new
 blocks and 1.45-1.5 in requests that reuse blocks (1.6 at 1,000 blocks since hit density: the
-ranks' recompute); per block referenced on traffic, where the lists compete, 1.7-1.9 (ARC: 1.3), and as much with a connector's copies in flight (keys
-pinned in place are passed over, keys released in order read as a second source of their
-list: the plain search still applies) (``benchmarks/bench_metadata.py``).
+ranks' recompute); per block referenced on traffic, where the lists compete, 1.7-1.9 (ARC:
+1.3), and as much with a connector's copies in flight (keys pinned in place are passed over,
+keys released in order read as a second source of their list: the plain search still applies)
+(``benchmarks/bench_metadata.py``).
 """
 
 from __future__ import annotations
